@@ -1,0 +1,144 @@
+"""The one exception tree of omniflow.
+
+    OmniflowError
+    ├── GraphError          a graph declaration or plan is invalid (raised before serving)
+    ├── InputError          a call names an unknown graph or misses a Placeholder (ValueError)
+    ├── NodeError           a node failed, was cancelled, or broke a runtime rule during a call
+    ├── RuntimeClosedError  a Runtime (or pool, server) was used outside its lifetime
+    ├── TransportError      a message could not be encoded, sent or received
+    ├── RegistryError       the service registry is unreachable or inconsistent
+    └── DataError           the data plane could not place, find or deliver a buffer
+        └── DataTimeoutError    a connector ``get`` passed its deadline
+
+Every exception carries structured fields and survives pickling, so an error raised in a worker
+process reaches the caller intact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DataError",
+    "DataTimeoutError",
+    "GraphError",
+    "InputError",
+    "NodeError",
+    "OmniflowError",
+    "RegistryError",
+    "RuntimeClosedError",
+    "TransportError",
+]
+
+
+class OmniflowError(Exception):
+    """Root of every error omniflow raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[OmniflowError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+class GraphError(OmniflowError):
+    """A graph declaration or its static plan is invalid.
+
+    >>> raise GraphError("node 'vit.encode': input 'image' has no producer", graph="t2i")
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        graph: str | None = None,
+        node: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        prefix = f"graph '{graph}': " if graph and not message.startswith("graph ") else ""
+        super().__init__(prefix + message)
+        self.graph = graph
+        self.node = node
+        self.field = field
+
+
+class InputError(OmniflowError, ValueError):
+    """A call was made with an unknown graph or without a required Placeholder."""
+
+    def __init__(self, message: str, *, graph: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.graph = graph
+        self.field = field
+
+
+class NodeError(OmniflowError):
+    """A node of a running call failed (``kind="error"``) or was cancelled (``kind="cancel"``).
+
+    >>> err = NodeError("vit.encode", "boom", kind="error")
+    >>> err.node, err.kind
+    ('vit.encode', 'error')
+    """
+
+    def __init__(
+        self,
+        node: str,
+        message: str,
+        *,
+        kind: str = "error",
+        field: str | None = None,
+        call_id: str | None = None,
+        graph: str | None = None,
+        exc_type: str | None = None,
+    ) -> None:
+        super().__init__(f"node '{node}': {message}")
+        self.node = node
+        self.kind = kind
+        self.message = message
+        self.field = field
+        self.call_id = call_id
+        self.graph = graph
+        self.exc_type = exc_type
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe form, used by the server and the worker protocol."""
+        return {
+            "node": self.node,
+            "kind": self.kind,
+            "message": self.message,
+            "field": self.field,
+            "exc_type": self.exc_type,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeError:
+        return cls(
+            data["node"],
+            data["message"],
+            kind=data.get("kind", "error"),
+            field=data.get("field"),
+            exc_type=data.get("exc_type"),
+        )
+
+
+class RuntimeClosedError(OmniflowError):
+    """A lifecycle object (Runtime, server, pool) was used before start or after close."""
+
+
+class TransportError(OmniflowError):
+    """A control or data message could not be encoded, sent or received."""
+
+
+class RegistryError(OmniflowError):
+    """The service registry could not be reached or holds no replica for a role."""
+
+
+class DataError(OmniflowError):
+    """The data plane could not allocate, find or deliver a buffer."""
+
+
+class DataTimeoutError(DataError, TimeoutError):
+    """A connector ``get`` did not see its payload before the deadline."""

@@ -1,0 +1,56 @@
+"""The activation context: what a running interface method may ask about itself.
+
+>>> import omniflow as of
+>>> class Chat(of.Role):
+...     @of.interface(inputs_or=[["msg"]], outputs=["reply"])
+...     async def answer(self, msg):
+...         history = of.context().params["history"]
+...         history.append(msg)
+...         return {"reply": len(history)}
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow._exceptions import OmniflowError
+
+__all__ = ["ActivationContext", "context"]
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationContext:
+    """Identity of one activation of one node within one call."""
+
+    #: Graph name.
+    graph: str
+    #: Session id of the call (None for session-less calls).
+    session: str | None
+    #: Id of the graph call.
+    call_id: str
+    #: Node name, "<role>.<method>".
+    node: str
+    #: Index of the OR group that fired.
+    or_group: int
+    #: The session's GlobalParameters by name.
+    params: dict[str, Any]
+    #: Position of the activation's input in its originating stream.
+    seq: int
+    #: Activation id, unique within the call.
+    aid: int
+
+
+_current: ContextVar[ActivationContext] = ContextVar("omniflow_activation")
+
+
+def context() -> ActivationContext:
+    """The context of the activation running in this task; raises outside of one."""
+    try:
+        return _current.get()
+    except LookupError:
+        raise OmniflowError(
+            "omniflow.context() was called outside a running interface method; call it from "
+            "within a method decorated with @omniflow.interface while a graph call runs it"
+        ) from None

@@ -1,0 +1,116 @@
+"""Graph declarations: which roles, which external inputs, which outputs, which shared state.
+
+>>> import omniflow as of
+>>> class Echo(of.Role):
+...     @of.interface(inputs_or=[["x"]], outputs=["y"])
+...     async def run(self, x):
+...         return {"y": x}
+>>> g = of.Graph("echo", roles={"echo": Echo()}, inputs=[of.Placeholder("x")], outputs=["y"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow._exceptions import GraphError
+
+__all__ = ["GlobalParameters", "GlobalParametersRef", "Graph", "Placeholder", "RoleRef"]
+
+DEFAULT_MAX_ITERATIONS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """An external field injected at the graph entry: ``rt.call(g, {"request": ...})``."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise GraphError(f"Placeholder name must be a non-empty str, got {self.name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalParameters:
+    """Session-scoped state shared by every role of a graph, created lazily by ``factory``.
+
+    >>> GlobalParameters("history", factory=list)
+    GlobalParameters(name='history', factory=<class 'list'>)
+    """
+
+    name: str
+    factory: Callable[[], Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise GraphError(f"GlobalParameters name must be a non-empty str, got {self.name!r}")
+        if not callable(self.factory):
+            raise GraphError(f"GlobalParameters '{self.name}': factory must be callable")
+
+
+@dataclass(frozen=True, slots=True)
+class RoleRef:
+    """A role declared in another graph of the same runtime (one instance, several graphs)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalParametersRef:
+    """GlobalParameters declared in another graph of the same runtime."""
+
+    name: str
+
+
+class Graph:
+    """A declared graph: roles (by name), Placeholders, streamed outputs and session params.
+
+    Declaring a Graph checks only its own shape; ``omniflow.parse`` checks the wiring.
+    """
+
+    __slots__ = ("inputs", "max_iterations", "module", "name", "outputs", "params", "roles")
+
+    def __init__(
+        self,
+        name: str,
+        roles: Mapping[str, object],
+        inputs: Iterable[Placeholder] = (),
+        outputs: Iterable[str] = (),
+        params: Iterable[GlobalParameters | GlobalParametersRef] = (),
+        max_iterations: int = DEFAULT_MAX_ITERATIONS,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"Graph name must be a non-empty str, got {name!r}")
+        if not isinstance(roles, Mapping) or not roles:
+            raise GraphError(f"graph '{name}': roles must be a non-empty dict of name -> Role")
+        self.name = name
+        self.roles: dict[str, object] = dict(roles)
+        self.inputs: tuple[Placeholder, ...] = tuple(inputs)
+        self.outputs: tuple[str, ...] = tuple(outputs)
+        self.params: tuple[GlobalParameters | GlobalParametersRef, ...] = tuple(params)
+        if (
+            isinstance(max_iterations, bool)
+            or not isinstance(max_iterations, int)
+            or (max_iterations < 1)
+        ):
+            raise GraphError(f"graph '{name}': max_iterations must be an int >= 1")
+        self.max_iterations = max_iterations
+        #: Module that defined the graph (filled by the parser when it loads a path).
+        self.module: str | None = None
+        for p in self.inputs:
+            if not isinstance(p, Placeholder):
+                raise GraphError(f"graph '{name}': inputs must be Placeholder objects, got {p!r}")
+        for o in self.outputs:
+            if not isinstance(o, str) or not o:
+                raise GraphError(f"graph '{name}': outputs must be field names, got {o!r}")
+        for prm in self.params:
+            if not isinstance(prm, GlobalParameters | GlobalParametersRef):
+                raise GraphError(
+                    f"graph '{name}': params must be GlobalParameters or GlobalParametersRef, "
+                    f"got {prm!r}"
+                )
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, roles={list(self.roles)}, outputs={list(self.outputs)})"
