@@ -35,14 +35,17 @@ from omniflow.dsl import (
     interface,
 )
 from omniflow.plan import StaticPlan, load_graphs, parse, parse_graphs
+from omniflow.runtime import Call, Frame, Runtime
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALL",
     "ActivationContext",
+    "Call",
     "DataError",
     "DataTimeoutError",
+    "Frame",
     "GlobalParameters",
     "GlobalParametersRef",
     "Graph",
@@ -54,6 +57,7 @@ __all__ = [
     "RegistryError",
     "Role",
     "RoleRef",
+    "Runtime",
     "RuntimeClosedError",
     "StaticPlan",
     "TransportError",

@@ -42,15 +42,23 @@ class ActivationContext:
     aid: int
 
 
-_current: ContextVar[ActivationContext] = ContextVar("omniflow_activation")
+#: Set by the runtime around every activation: an ActivationContext, or a cheap handle whose
+#: ``activation_context()`` builds one on demand (most methods never ask).
+_current: ContextVar[Any] = ContextVar("omniflow_activation")
 
 
 def context() -> ActivationContext:
     """The context of the activation running in this task; raises outside of one."""
     try:
-        return _current.get()
+        cur = _current.get()
     except LookupError:
-        raise OmniflowError(
-            "omniflow.context() was called outside a running interface method; call it from "
-            "within a method decorated with @omniflow.interface while a graph call runs it"
-        ) from None
+        cur = None
+    if isinstance(cur, ActivationContext):
+        return cur
+    if cur is not None:
+        ctx: ActivationContext = cur.activation_context()
+        return ctx
+    raise OmniflowError(
+        "omniflow.context() was called outside a running interface method; call it from "
+        "within a method decorated with @omniflow.interface while a graph call runs it"
+    )

@@ -1,0 +1,171 @@
+"""Buckets: where the inputs of one activation of a convergence node gather.
+
+A bucket is identified by (call, node, OR group, key), the key being the entry of the
+bucket's diamond root in the arriving frame's table (the paper's activation id, Rule C: every
+path from the same root frame lands in the same bucket). Join nodes (activate_by_count) use the
+call's own entry, so all their inputs of a call meet in one bucket.
+
+``evaluate`` is pure: given what arrived and which slots have ended it says WAIT, FIRE (with
+the keyword arguments) or DEAD (with the reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow.dsl._role import _All
+from omniflow.plan._plan import NodeSpec, StaticPlan
+from omniflow.runtime._liveness import Entry, Table
+
+__all__ = ["DEAD", "FIRE", "WAIT", "Bucket", "BucketSpec", "FieldSpec", "bucket_specs"]
+
+WAIT, FIRE, DEAD = "wait", "fire", "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How one field of a bucket's OR group is satisfied."""
+
+    #: Field name.
+    name: str
+    #: Sources of the field (one static slot each).
+    sources: tuple[str, ...]
+    #: "plain" (one frame), "collect" (all frames, after the streams end) or "count".
+    mode: str
+    #: For mode "count": the threshold (int) or None for ALL.
+    threshold: int | None
+    #: Exactly one source: if it ends with no frame, the bucket is DEAD (not for count fields).
+    critical: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """Static facts of one (node, or_group) bucket."""
+
+    node: str
+    group: int
+    #: The diamond root's node name, or "<input>".
+    root: str
+    fields: tuple[FieldSpec, ...]
+    by_field: dict[str, FieldSpec]
+    #: For each source: the nodes from which it can still be reached (itself included).
+    feeders: dict[str, frozenset[str]]
+    is_join: bool
+
+
+def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
+    """Precompute a BucketSpec for every bucket of the plan."""
+    feeders: dict[str, frozenset[str]] = {}
+    for src in {s for slots in plan.slots.values() for _f, s in slots}:
+        feeders[src] = frozenset(m for m, r in plan.reach.items() if src in r)
+    out: dict[tuple[str, int], BucketSpec] = {}
+    for node, g in plan.buckets:
+        spec: NodeSpec = plan.specs[node]
+        counts = dict(spec.count)
+        fields = []
+        for f in spec.groups[g]:
+            srcs = plan.producers[f]
+            if f in counts:
+                thr = counts[f]
+                fields.append(
+                    FieldSpec(f, srcs, "count", None if isinstance(thr, _All) else thr, False)
+                )
+            else:
+                mode = "collect" if f in spec.collect else "plain"
+                fields.append(FieldSpec(f, srcs, mode, None, len(srcs) == 1))
+        out[(node, g)] = BucketSpec(
+            node=node,
+            group=g,
+            root=plan.diamond_roots[(node, g)],
+            fields=tuple(fields),
+            by_field={fs.name: fs for fs in fields},
+            feeders={s: feeders[s] for fs in fields for s in fs.sources},
+            is_join=spec.is_join,
+        )
+    return out
+
+
+class Bucket:
+    """Frames gathered for one activation of a convergence node."""
+
+    __slots__ = ("arrivals", "frames", "key", "seq", "spec", "table")
+
+    def __init__(self, spec: BucketSpec, key: Entry, table: Table) -> None:
+        #: Static facts.
+        self.spec = spec
+        #: The root entry that names this bucket within its (call, node, group).
+        self.key = key
+        #: Entries shared by every frame of this bucket (the arriving table up to ``key``).
+        self.table = table
+        #: field -> [(sort key, value)] in arrival order.
+        self.frames: dict[str, list[tuple[Any, Any]]] = {}
+        #: Frames that arrived, all fields together.
+        self.arrivals = 0
+        #: Seq entry (nearest stream) of the first frame; the activation inherits it.
+        self.seq: Entry | None = None
+
+    def add(self, fld: str, value: Any, sort_key: Any) -> str | None:
+        """Store a frame; return an error message when the frame breaks the field's rule."""
+        fs = self.spec.by_field[fld]
+        lst = self.frames.setdefault(fld, [])
+        if fs.mode == "plain" and lst:
+            return (
+                f"field '{fld}' received a second frame for the same activation; two streams "
+                f"meet here frame by frame. Declare collect=['{fld}'] to receive all frames as a "
+                "list, or make the streams share a fork source"
+            )
+        if fs.mode == "count" and fs.threshold is not None and len(lst) >= fs.threshold:
+            return (
+                f"field '{fld}' received more than activate_by_count={fs.threshold} frames in "
+                "one call; use omniflow.ALL to take every frame, or a larger count"
+            )
+        lst.append((sort_key, value))
+        self.arrivals += 1
+        return None
+
+    def evaluate(self, ended: Callable[[str], bool]) -> tuple[str, Any]:
+        """WAIT, (FIRE, kwargs) or (DEAD, reason). ``ended(source)`` says a slot has ended."""
+        kwargs: dict[str, Any] = {}
+        waiting = False
+        for fs in self.spec.fields:
+            lst = self.frames.get(fs.name)
+            n = len(lst) if lst else 0
+            if fs.mode == "plain":
+                if n:
+                    if len(fs.sources) > 1 and not all(ended(s) for s in fs.sources):
+                        # Another path may still deliver: a second frame would be an error the
+                        # caller must see, so wait until the other slots settle.
+                        waiting = True
+                    kwargs[fs.name] = lst[0][1] if lst else None
+                    continue
+                if all(ended(s) for s in fs.sources):
+                    if fs.critical:
+                        return DEAD, f"critical input '{fs.name}' will never arrive"
+                    kwargs[fs.name] = None
+                else:
+                    waiting = True
+                continue
+            if fs.mode == "count" and fs.threshold is not None and n >= fs.threshold:
+                kwargs[fs.name] = _ordered(lst)
+                continue
+            if all(ended(s) for s in fs.sources):
+                if n == 0 and fs.critical:
+                    return DEAD, f"collected input '{fs.name}' ended with no frame"
+                kwargs[fs.name] = _ordered(lst)
+            else:
+                waiting = True
+        if waiting:
+            return WAIT, None
+        if not self.arrivals:
+            return DEAD, "every input ended without a frame"
+        return FIRE, kwargs
+
+
+def _ordered(lst: list[tuple[Any, Any]] | None) -> list[Any]:
+    if not lst:
+        return []
+    if len(lst) > 1:
+        lst = sorted(lst, key=lambda kv: kv[0])
+    return [v for _k, v in lst]

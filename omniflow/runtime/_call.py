@@ -1,0 +1,128 @@
+"""A graph call as the caller sees it: an async stream of Frames with a final status.
+
+>>> call = rt.call("t2i", {"request": req}, session="s1")      # doctest: +SKIP
+>>> async for frame in call:                                   # doctest: +SKIP
+...     print(frame.field, frame.value, frame.node, frame.seq)
+>>> call.status, call.errors                                   # doctest: +SKIP
+('ok', [])
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omniflow._exceptions import NodeError
+
+if TYPE_CHECKING:
+    from omniflow.runtime._core import CallCore
+    from omniflow.runtime._runtime import Runtime
+
+__all__ = ["Call", "Frame"]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One value of one output field, as it reaches the caller."""
+
+    #: Output field name.
+    field: str
+    #: The value the node produced.
+    value: Any
+    #: Node that produced it.
+    node: str
+    #: Position of the frame in its originating stream (SeqId).
+    seq: int
+
+
+class Call:
+    """A running (or finished) graph call. Iterate it for frames; ``cancel()`` to stop it."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        graph: str,
+        call_id: str,
+        inputs: dict[str, Any],
+        session: str | None,
+    ) -> None:
+        self._rt = runtime
+        #: Graph name.
+        self.graph = graph
+        #: Unique id of this call within its runtime.
+        self.call_id = call_id
+        #: Session id, or None.
+        self.session = session
+        self._inputs: dict[str, Any] | None = inputs
+        self._frames: deque[Frame] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = asyncio.Event()
+        #: The scheduling core while the call runs (None before start and after the end).
+        self.core: CallCore | None = None
+        #: "pending", "running", then "ok" | "error" | "cancelled".
+        self.status = "pending"
+        #: Node errors of the call (kind "error" or "cancel").
+        self.errors: list[NodeError] = []
+
+    def __repr__(self) -> str:
+        return f"<Call {self.graph}#{self.call_id} session={self.session!r} {self.status}>"
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _push(self, frames: list[tuple[str, Any, str, int]]) -> None:
+        append = self._frames.append
+        for f, v, n, s in frames:
+            append(Frame(f, v, n, s))
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _finish(self, status: str, errors: list[NodeError]) -> None:
+        self.status = status
+        self.errors = errors
+        self.core = None
+        self._inputs = None
+        self._done.set()
+        self._wake()
+
+    async def __aiter__(self) -> AsyncIterator[Frame]:
+        try:
+            while True:
+                while self._frames:
+                    yield self._frames.popleft()
+                if self._done.is_set():
+                    return
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            if not self._done.is_set():
+                # The caller left the stream early (break, exception, task cancelled).
+                self._rt._cancel_call(self)
+
+    async def cancel(self) -> None:
+        """Cancel the call and wait until nothing of it is left."""
+        self._rt._cancel_call(self)
+        await self._done.wait()
+
+    async def wait(self) -> str:
+        """Wait for the end of the call (frames keep buffering); return the status."""
+        await self._done.wait()
+        return self.status
+
+    async def collect(self) -> dict[str, list[Any]]:
+        """All frames by field, after the call ended (does not raise on errors)."""
+        out: dict[str, list[Any]] = {}
+        async for frame in self:
+            out.setdefault(frame.field, []).append(frame.value)
+        return out

@@ -1,0 +1,74 @@
+"""Per-graph lookup tables the call core uses on its hot path, derived once from a StaticPlan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow.plan._plan import NodeSpec, StaticPlan
+from omniflow.runtime._buckets import BucketSpec, bucket_specs
+
+__all__ = ["Compiled", "Route", "compile_plan"]
+
+#: One consumer of a (node, field): (dst node, or_group, bucket spec or None for direct fire).
+Route = tuple[str, int, BucketSpec | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    plan: StaticPlan
+    #: (src, field) -> consumers.
+    routes: dict[tuple[str, str], tuple[Route, ...]]
+    #: node -> its outputs that go back to the caller.
+    to_caller: dict[str, frozenset[str]]
+    #: Nodes that stamp a new entry on their outgoing frames (diamond roots, seq producers).
+    stamping: frozenset[str]
+    #: Nodes whose frames start a SeqId stream (generators, lb="session"), and "<input>".
+    seq_nodes: frozenset[str]
+    #: Caller field -> nodes from which one of its producers can still be reached.
+    out_feeders: dict[str, frozenset[str]]
+    #: Node -> nodes from which it can be reached (itself included).
+    feeders: dict[str, frozenset[str]]
+    #: Node specs.
+    specs: dict[str, NodeSpec]
+    #: Declared outputs per node, as sets.
+    outputs: dict[str, frozenset[str]]
+    #: Nodes on a cycle.
+    cycle_nodes: frozenset[str]
+    #: Plan order index of each node (used to pick buckets deterministically).
+    order: dict[str, int]
+    #: Bound role methods by node.
+    methods: dict[str, Any]
+
+
+def compile_plan(plan: StaticPlan) -> Compiled:
+    bspecs = bucket_specs(plan)
+    routes: dict[tuple[str, str], list[Route]] = {}
+    for src, lst in plan.ctrl_edges.items():
+        for dst, g, f in lst:
+            routes.setdefault((src, f), []).append((dst, g, bspecs.get((dst, g))))
+    to_caller: dict[str, set[str]] = {}
+    for f, srcs in plan.output_producers.items():
+        for s in srcs:
+            to_caller.setdefault(s, set()).add(f)
+    all_nodes = ["<input>", *plan.nodes]
+    feeders = {n: frozenset(m for m in all_nodes if n in plan.reach[m]) for n in all_nodes}
+    out_feeders = {
+        f: frozenset().union(*(feeders[s] for s in srcs)) if srcs else frozenset()
+        for f, srcs in plan.output_producers.items()
+    }
+    methods = {n: getattr(plan.roles[spec.role], spec.method) for n, spec in plan.specs.items()}
+    return Compiled(
+        plan=plan,
+        routes={k: tuple(v) for k, v in routes.items()},
+        to_caller={k: frozenset(v) for k, v in to_caller.items()},
+        stamping=plan.root_nodes | plan.seq_producers,
+        seq_nodes=plan.seq_producers | {"<input>"},
+        out_feeders=out_feeders,
+        feeders=feeders,
+        specs=plan.specs,
+        outputs={n: frozenset(s.outputs) for n, s in plan.specs.items()},
+        cycle_nodes=plan.cycle_nodes,
+        order={n: i for i, n in enumerate(plan.nodes)},
+        methods=methods,
+    )

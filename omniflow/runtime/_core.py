@@ -1,0 +1,637 @@
+"""The call core: every scheduling decision of one graph call, as plain synchronous code.
+
+The core is fed stimuli by the async shell (``_runtime``) and answers with instructions:
+
+    start(inputs)                 -> activations to run (``to_run``), frames for the caller
+    on_frame(activation, frame)   -> (``emitted``), errors (``errors``), ``finished``
+    on_done(activation, exc)
+    cancel(kind)                  -> activations whose tasks must be cancelled (``to_cancel``)
+
+Nothing here awaits, sleeps or touches a socket, so every rule is tested by feeding events.
+
+Vocabulary (design/ARCHITECTURE.md has the long form):
+
+* entry  -- ``(node, stream id, index)``: one frame of a stamping node (a diamond root or a
+  SeqId producer). Frames carry a *table*: the entries they descend from, oldest first.
+* bucket -- gathers the inputs of one activation of a convergence node; keyed by the entry of
+  its diamond root in the arriving frame's table (Rule C); join nodes use the call's entry.
+* liveness -- every pending/running activation and gathering bucket is counted at its node
+  under each entry of its table. A slot, a seq index or a caller field has *ended* when no live
+  work under the relevant entry can still reach its producers. That is UNREACHABLE, derived.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Any
+
+from omniflow._exceptions import NodeError
+from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec
+from omniflow.runtime._compiled import Compiled
+from omniflow.runtime._liveness import INPUT_ENTRY, Entry, Liveness, Table
+from omniflow.runtime._ordering import StreamOrder
+
+__all__ = ["Activation", "CallCore", "Emit"]
+
+PENDING, RUNNING, DONE = 0, 1, 2
+
+#: A frame for the caller: (field, value, node, seq index).
+Emit = tuple[str, Any, str, int]
+
+
+class Activation:
+    """One run of one node's method with one set of inputs."""
+
+    __slots__ = (
+        "aid",
+        "failed",
+        "group",
+        "kwargs",
+        "node",
+        "seq",
+        "state",
+        "table",
+        "task",
+        "yidx",
+    )
+
+    def __init__(
+        self, aid: int, node: str, group: int, kwargs: dict[str, Any], table: Table, seq: Entry
+    ) -> None:
+        #: Activation id, unique within the call.
+        self.aid = aid
+        #: Node name.
+        self.node = node
+        #: OR group that fired.
+        self.group = group
+        #: Keyword arguments for the method.
+        self.kwargs = kwargs
+        #: Entries the inputs descend from.
+        self.table = table
+        #: Nearest SeqId entry of the inputs (stream and index used for ordering).
+        self.seq = seq
+        #: PENDING, RUNNING or DONE.
+        self.state = PENDING
+        #: Frames produced so far (the next frame's yield index).
+        self.yidx = 0
+        #: Set when the core rejected one of its frames; the shell stops the method.
+        self.failed = False
+        #: The shell's handle (task) while the method is suspended.
+        self.task: Any = None
+
+    def __repr__(self) -> str:
+        return f"<Activation {self.node}#{self.aid} g{self.group} seq={self.seq}>"
+
+
+class _SessionQueue:
+    """Algorithm 1 state of one lb="session" node within one call."""
+
+    __slots__ = ("busy", "streams")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.streams: dict[tuple[str, int], StreamOrder] = {}
+
+
+class CallCore:
+    """Scheduling state of one graph call."""
+
+    def __init__(
+        self,
+        compiled: Compiled,
+        call_id: str,
+        *,
+        story: deque[tuple[Any, ...]] | None = None,
+    ) -> None:
+        self.c = compiled
+        self.graph = compiled.plan.graph
+        self.call_id = call_id
+        self.live = Liveness()
+        self._aids = itertools.count(1)
+        #: Activations the shell must start now (FIFO).
+        self.to_run: deque[Activation] = deque()
+        #: Activations whose methods the shell must cancel.
+        self.to_cancel: list[Activation] = []
+        #: Frames for the caller, in release order.
+        self.emitted: list[Emit] = []
+        #: Errors of the call (kind "error" or "cancel").
+        self.errors: list[NodeError] = []
+        self.finished = False
+        self.cancelled = False
+        self.closing = False
+        #: Running activations (for cancellation).
+        self.running: set[Activation] = set()
+        #: Activations admitted and not done (pending or running).
+        self.n_acts = 0
+        #: Per node: running activations (max_concurrency) and activations blocked by it.
+        self._running_per_node: dict[str, int] = {}
+        self._blocked: dict[str, deque[Activation]] = {}
+        #: Gathering buckets by (node, group, key), and keys that already fired or died.
+        self.buckets: dict[tuple[str, int, Entry], Bucket] = {}
+        self._spent: dict[tuple[str, int, Entry], str] = {}
+        #: Buckets and ordering queues waiting on an entry's liveness.
+        self._waiters: dict[Entry, set[Any]] = {}
+        self._touched: list[Bucket] = []
+        self._session: dict[str, _SessionQueue] = {}
+        self._session_seq: dict[str, int] = {}
+        self._caller: dict[tuple[str, str, int], StreamOrder] = {}
+        self._iterations: dict[str, int] = {}
+        self._story = story
+
+    # ------------------------------------------------------------------ stimuli
+
+    def start(self, inputs: dict[str, Any]) -> None:
+        """Deliver the Placeholders; the call's own entry roots everything after."""
+        table: Table = (INPUT_ENTRY,)
+        self.live.inc(table, "<input>")  # hold the call open while the inputs fan out
+        self._log("start", inputs=sorted(inputs))
+        for f, v in inputs.items():
+            self._dispatch("<input>", f, v, table, INPUT_ENTRY)
+        self.live.dec(table, "<input>")
+        self._settle()
+
+    def on_frame(self, act: Activation, frame: Any) -> bool:
+        """A method returned or yielded ``frame``. False: stop the method (frame rejected)."""
+        if self.closing:
+            return False
+        node = act.node
+        if not isinstance(frame, dict):
+            self._reject(
+                act,
+                f"produced {type(frame).__name__} {frame!r:.80}; return or yield "
+                "a dict of output fields (or None for nothing)",
+            )
+            return False
+        outputs = self.c.outputs[node]
+        for f in frame:
+            if f not in outputs:
+                self._reject(
+                    act,
+                    f"produced field {f!r}, which is not among its declared "
+                    f"outputs {sorted(outputs)}; add it to outputs",
+                    field=str(f),
+                )
+                return False
+        idx = act.yidx
+        act.yidx = idx + 1
+        if node in self.c.stamping:
+            spec = self.c.specs[node]
+            if spec.lb == "session":
+                n = self._session_seq.get(node, 0)
+                self._session_seq[node] = n + 1
+                entry: Entry = (node, 0, n)
+            else:
+                entry = (node, act.aid, idx)
+            table = (*tuple(e for e in act.table if e[0] != node), entry)
+            seq = entry if node in self.c.seq_nodes else act.seq
+            self.live.inc(table, node)  # hold: consumers of this frame are created one by one
+            for f, v in frame.items():
+                self._dispatch(node, f, v, table, seq)
+            self.live.dec(table, node)
+        else:
+            for f, v in frame.items():
+                self._dispatch(node, f, v, act.table, act.seq)
+        self._settle()
+        return True
+
+    def on_done(self, act: Activation, exc: BaseException | None = None) -> None:
+        """The method finished: returned, ended its stream, raised, or was cancelled."""
+        if act.state != RUNNING:
+            raise AssertionError(f"call {self.call_id}: {act!r} finished while not running")
+        act.state = DONE
+        act.task = None
+        self.running.discard(act)
+        node = act.node
+        self._running_per_node[node] -= 1
+        self.n_acts -= 1
+        self.live.dec(act.table, node)
+        if exc is not None:
+            self._record_exc(act, exc)
+        else:
+            self._log("done", node=node, aid=act.aid, frames=act.yidx)
+        spec = self.c.specs[node]
+        if spec.lb == "session":
+            self._session[node].busy = False
+            self._pump_session(node)
+        if spec.max_concurrency is not None:
+            blocked = self._blocked.get(node)
+            if blocked and not self.closing:
+                self._run(blocked.popleft())
+        self._settle()
+
+    def cancel(self, kind: str = "cancel", reason: str = "the call was cancelled") -> None:
+        """Stop the call: drop pending work and buckets, ask the shell to cancel the rest."""
+        if self.closing:
+            return
+        self.closing = True
+        if kind == "cancel":
+            self.cancelled = True
+        self._log("cancel", reason=reason)
+        for key, b in list(self.buckets.items()):
+            self._drop_bucket(key, b)
+        for sq_node, sq in self._session.items():
+            for so in sq.streams.values():
+                for items in so.pending.values():
+                    for act in items:
+                        self._drop_pending(act)
+                so.pending.clear()
+            del sq_node
+        for blocked in self._blocked.values():
+            while blocked:
+                self._drop_pending(blocked.popleft())
+        while self.to_run:
+            act = self.to_run.popleft()
+            act.state = RUNNING
+            self.on_done_quiet(act)
+        self.to_cancel.extend(self.running)
+        self._maybe_finish()
+
+    def on_done_quiet(self, act: Activation) -> None:
+        """Retire an activation that never started (dropped by cancellation)."""
+        act.state = DONE
+        self.running.discard(act)
+        self._running_per_node[act.node] -= 1
+        self.n_acts -= 1
+        self.live.dec(act.table, act.node)
+
+    # ------------------------------------------------------------------ routing
+
+    def _dispatch(self, src: str, f: str, value: Any, table: Table, seq: Entry) -> None:
+        routes = self.c.routes.get((src, f))
+        if routes:
+            for dst, g, bspec in routes:
+                if bspec is None:
+                    self._admit(Activation(next(self._aids), dst, g, {f: value}, table, seq))
+                else:
+                    self._arrive(bspec, src, f, value, table, seq)
+        if src in self.c.to_caller and f in self.c.to_caller[src]:
+            self._emit(src, f, value, seq)
+
+    def _arrive(
+        self, bspec: BucketSpec, src: str, f: str, value: Any, table: Table, seq: Entry
+    ) -> None:
+        if bspec.is_join or bspec.root == "<input>":
+            pos = 0
+        else:
+            root = bspec.root
+            pos = len(table) - 1
+            while pos > 0 and table[pos][0] != root:
+                pos -= 1
+        key = table[pos]
+        bid = (bspec.node, bspec.group, key)
+        b = self.buckets.get(bid)
+        if b is None:
+            spent = self._spent.get(bid)
+            if spent is not None:
+                if spent == "fired":
+                    self._node_error(bspec.node, self._late_frame_message(bspec, f), field=f)
+                return  # a DEAD bucket ignores stragglers: its outputs are already ended
+            prefix = table[: pos + 1]
+            b = Bucket(bspec, key, prefix)
+            b.seq = _seq_in(prefix, self.c)
+            self.buckets[bid] = b
+            self.live.inc(prefix, bspec.node)
+            self._watch(key, b)
+            self._log("bucket", node=bspec.node, group=bspec.group, key=key)
+        err = b.add(f, value, (table[len(b.table) :], b.arrivals))
+        if err is not None:
+            self._node_error(bspec.node, err, field=f)
+            self._kill_bucket(bid, b, "input rule broken")
+            return
+        self._touched.append(b)
+
+    @staticmethod
+    def _late_frame_message(bspec: BucketSpec, f: str) -> str:
+        fs = bspec.by_field[f]
+        if fs.mode == "count":
+            return (
+                f"field '{f}' received more than activate_by_count={fs.threshold} frames in one "
+                "call; use omniflow.ALL to take every frame, or a larger count"
+            )
+        return (
+            f"field '{f}' received a frame after its activation already fired; two streams "
+            f"meet here frame by frame. Declare collect=['{f}'] to receive all frames as a list, "
+            "or make the streams share a fork source"
+        )
+
+    def _admit(self, act: Activation) -> None:
+        node = act.node
+        if self.closing:
+            return
+        if node in self.c.cycle_nodes:
+            n = self._iterations.get(node, 0) + 1
+            self._iterations[node] = n
+            limit = self.c.plan.max_iterations
+            if n > limit:
+                self._node_error(
+                    node,
+                    f"exceeded max_iterations={limit} activations in one call (it lies on a "
+                    "cycle); make the loop terminate sooner or raise Graph(max_iterations=...)",
+                )
+                self.cancel(kind="error", reason=f"{node} exceeded max_iterations")
+                return
+        self.n_acts += 1
+        self.live.inc(act.table, node)
+        spec = self.c.specs[node]
+        if spec.lb == "session":
+            sq = self._session.get(node)
+            if sq is None:
+                sq = self._session[node] = _SessionQueue()
+            skey = (act.seq[0], act.seq[1])
+            so = sq.streams.get(skey)
+            if so is None:
+                so = sq.streams[skey] = StreamOrder(act.seq[0], act.seq[1])
+            so.push(act.seq[2], act)
+            self._pump_session(node)
+            return
+        if spec.max_concurrency is not None and (
+            self._running_per_node.get(node, 0) >= spec.max_concurrency
+        ):
+            self._blocked.setdefault(node, deque()).append(act)
+            return
+        self._run(act)
+
+    def _run(self, act: Activation) -> None:
+        act.state = RUNNING
+        node = act.node
+        self._running_per_node[node] = self._running_per_node.get(node, 0) + 1
+        self.running.add(act)
+        self.to_run.append(act)
+
+    # ------------------------------------------------------------------ ordering
+
+    def _pump_session(self, node: str) -> None:
+        """Release the next activation of a session node in SeqId order (Algorithm 1)."""
+        sq = self._session[node]
+        if sq.busy or self.closing:
+            return
+        feeders = self.c.feeders[node]
+        for so in sq.streams.values():
+            while so.pending:
+                act = so.pop_current()
+                if act is not None:
+                    sq.busy = True
+                    self._unwatch_order(so)
+                    self._run(act)
+                    return
+                if self.live.reaches(so.entry(), feeders):
+                    self._watch_order(so, None, node)
+                    break
+                so.advance()
+
+    def _emit(self, node: str, f: str, value: Any, seq: Entry) -> None:
+        key = (f, seq[0], seq[1])
+        so = self._caller.get(key)
+        if so is None:
+            so = self._caller[key] = StreamOrder(seq[0], seq[1])
+        if seq[2] == so.exp:
+            self.emitted.append((f, value, node, seq[2]))
+            return
+        so.push(seq[2], (f, value, node, seq[2]))
+        self._release_caller(f, so)
+
+    def _release_caller(self, f: str, so: StreamOrder) -> None:
+        feeders = self.c.out_feeders[f]
+        while so.pending:
+            items = so.take_current()
+            if items:
+                self.emitted.extend(items)
+            if self.live.reaches(so.entry(), feeders):
+                self._watch_order(so, f, "")
+                return
+            so.advance()
+        self._unwatch_order(so)
+
+    def _watch_order(self, so: StreamOrder, f: str | None, node: str) -> None:
+        """Wake ``so`` when its expected index may have settled (f: caller field, or None for
+        the session node ``node``)."""
+        if so.watching == so.exp:
+            return
+        self._unwatch_order(so)
+        e = so.entry()
+        so.watching = so.exp
+        self._watch(e, (so, f, node))
+
+    def _unwatch_order(self, so: StreamOrder) -> None:
+        if so.watching < 0:
+            return
+        e = (so.node, so.sid, so.watching)
+        so.watching = -1
+        ws = self._waiters.get(e)
+        if ws is not None:
+            for w in list(ws):
+                if isinstance(w, tuple) and w[0] is so:
+                    ws.discard(w)
+                    self.live.unwatch(e)
+            if not ws:
+                del self._waiters[e]
+
+    # ------------------------------------------------------------------ settling
+
+    def _watch(self, e: Entry, waiter: Any) -> None:
+        ws = self._waiters.get(e)
+        if ws is None:
+            ws = self._waiters[e] = set()
+        ws.add(waiter)
+        self.live.watch(e)
+
+    def _settle(self) -> None:
+        """Evaluate touched buckets and waiters of entries whose liveness dropped, to a fixpoint;
+        then finish the call if nothing of it is left."""
+        live = self.live
+        while self._touched or live.dirty:
+            while self._touched:
+                b = self._touched.pop()
+                self._evaluate(b)
+            if live.dirty:
+                dirty = list(live.dirty)
+                live.dirty.clear()
+                for e in dirty:
+                    ws = self._waiters.get(e)
+                    if not ws:
+                        continue
+                    for w in sorted(ws, key=_waiter_order):
+                        if isinstance(w, Bucket):
+                            self._evaluate(w)
+                        else:
+                            so, f, node = w
+                            if so.watching != e[2]:
+                                continue
+                            if f is None:
+                                self._unwatch_order(so)
+                                self._pump_session(node)
+                            else:
+                                self._release_caller(f, so)
+        self._maybe_finish()
+
+    def _evaluate(self, b: Bucket) -> None:
+        spec = b.spec
+        bid = (spec.node, spec.group, b.key)
+        if self.buckets.get(bid) is not b:
+            return
+        live = self.live
+        key = b.key
+        node = spec.node
+        discount = {node: 1}
+
+        def ended(src: str) -> bool:
+            return not live.reaches(key, spec.feeders[src], discount)
+
+        verdict, payload = b.evaluate(ended)
+        if verdict == WAIT:
+            return
+        if verdict == FIRE:
+            self._retire_bucket(bid, b, "fired")
+            self._log("fire", node=node, group=spec.group, key=key)
+            seq = b.seq if b.seq is not None else INPUT_ENTRY
+            self._admit(Activation(next(self._aids), node, spec.group, payload, b.table, seq))
+            live.dec(b.table, node)
+        else:
+            assert verdict == DEAD
+            self._kill_bucket(bid, b, payload)
+
+    def _kill_bucket(self, bid: tuple[str, int, Entry], b: Bucket, reason: str) -> None:
+        self._retire_bucket(bid, b, "dead")
+        self._log("dead", node=bid[0], group=bid[1], key=bid[2], reason=reason)
+        self.live.dec(b.table, bid[0])
+
+    def _retire_bucket(self, bid: tuple[str, int, Entry], b: Bucket, how: str) -> None:
+        del self.buckets[bid]
+        self._spent[bid] = how
+        ws = self._waiters.get(b.key)
+        if ws is not None and b in ws:
+            ws.discard(b)
+            self.live.unwatch(b.key)
+            if not ws:
+                del self._waiters[b.key]
+
+    def _drop_bucket(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
+        self._retire_bucket(bid, b, "dead")
+        self.live.dec(b.table, bid[0])
+
+    def _drop_pending(self, act: Activation) -> None:
+        act.state = DONE
+        self.n_acts -= 1
+        self.live.dec(act.table, act.node)
+
+    def _maybe_finish(self) -> None:
+        if self.finished:
+            return
+        while self.n_acts == 0 and self.buckets and not self.closing:
+            # Quiescent but buckets still gather: only buckets wait on buckets (a cycle of
+            # convergence nodes). Settle the earliest in plan order as if its open slots had
+            # ended; that either fires it (new work) or kills it.
+            bid, b = min(self.buckets.items(), key=lambda kv: (self.c.order[kv[0][0]], kv[0]))
+            verdict, payload = b.evaluate(lambda _src: True)
+            if verdict == FIRE:
+                self._retire_bucket(bid, b, "fired")
+                seq = b.seq if b.seq is not None else INPUT_ENTRY
+                self._admit(Activation(next(self._aids), bid[0], bid[1], payload, b.table, seq))
+                self.live.dec(b.table, bid[0])
+                self._settle()
+                return
+            self._kill_bucket(bid, b, payload if verdict == DEAD else "quiescent")
+        if self.n_acts == 0 and not self.buckets and not self.running:
+            for so_key, so in self._caller.items():
+                while so.pending:
+                    self.emitted.extend(so.take_current())
+                    so.advance()
+                del so_key
+            self.finished = True
+            self._log("finish", status=self.status)
+
+    # ------------------------------------------------------------------ errors
+
+    def _record_exc(self, act: Activation, exc: BaseException) -> None:
+        import asyncio
+
+        if isinstance(exc, asyncio.CancelledError):
+            self.errors.append(
+                NodeError(
+                    act.node, "cancelled", kind="cancel", call_id=self.call_id, graph=self.graph
+                )
+            )
+            self._log("cancelled", node=act.node, aid=act.aid)
+            return
+        if isinstance(exc, NodeError) and exc.node == act.node:
+            err = exc
+        else:
+            err = NodeError(
+                act.node,
+                f"{type(exc).__name__}: {exc}",
+                kind="error",
+                call_id=self.call_id,
+                graph=self.graph,
+                exc_type=type(exc).__name__,
+            )
+            err.__cause__ = exc
+        self.errors.append(err)
+        self._log("error", node=act.node, aid=act.aid, error=str(exc))
+
+    def _reject(self, act: Activation, message: str, field: str | None = None) -> None:
+        act.failed = True
+        self._node_error(act.node, message, field=field)
+
+    def _node_error(self, node: str, message: str, field: str | None = None) -> None:
+        self.errors.append(
+            NodeError(
+                node, message, kind="error", field=field, call_id=self.call_id, graph=self.graph
+            )
+        )
+        self._log("error", node=node, error=message)
+
+    @property
+    def status(self) -> str:
+        if self.cancelled:
+            return "cancelled"
+        if any(e.kind == "error" for e in self.errors):
+            return "error"
+        return "ok"
+
+    def _log(self, event: str, **details: Any) -> None:
+        if self._story is not None:
+            self._story.append((self.call_id, event, details))
+
+    # ------------------------------------------------------------------ invariants
+
+    def validate(self) -> None:
+        """Check every invariant of the call's state; raise AssertionError naming the breach."""
+        work: list[tuple[Table, str]] = []
+        acts = set(self.running) | set(self.to_run)
+        for sq in self._session.values():
+            for so in sq.streams.values():
+                so.validate()
+                for items in so.pending.values():
+                    acts.update(items)
+        for blocked in self._blocked.values():
+            acts.update(blocked)
+        for a in acts:
+            work.append((a.table, a.node))
+        for (node, _g, _k), b in self.buckets.items():
+            work.append((b.table, node))
+            if b not in self._waiters.get(b.key, ()):
+                raise AssertionError(f"bucket {node}/{b.key} gathers but nobody wakes it")
+        self.live.validate(work)
+        if len(acts) != self.n_acts:
+            raise AssertionError(f"n_acts={self.n_acts} but {len(acts)} activations are known")
+        for bid in self.buckets:
+            if bid in self._spent:
+                raise AssertionError(f"bucket {bid} is both gathering and spent")
+        for so in self._caller.values():
+            so.validate()
+        if self.finished and (self.n_acts or self.buckets or self.live.counts):
+            raise AssertionError(f"call {self.call_id} finished with work left: {self.live.counts}")
+
+
+def _seq_in(table: Table, c: Compiled) -> Entry:
+    for e in reversed(table):
+        if e[0] in c.seq_nodes:
+            return e
+    return INPUT_ENTRY
+
+
+def _waiter_order(w: Any) -> tuple[int, Any]:
+    if isinstance(w, Bucket):
+        return (0, (w.spec.node, w.spec.group))
+    return (1, (w[0].node, w[0].sid, w[1] or "", w[2]))

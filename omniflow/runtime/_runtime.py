@@ -1,0 +1,467 @@
+"""The Runtime: the async shell that carries out what the call cores decide.
+
+>>> async with of.Runtime(graph) as rt:                         # doctest: +SKIP
+...     out = await rt.run("t2i", {"request": req})
+
+Concurrency model (design/ARCHITECTURE.md, "Concurrency"): one event loop, no locks. Every
+scheduling decision is a synchronous call into a ``CallCore``; between two awaits nothing else
+runs, so no decision can interleave with another. Methods start *eagerly*: the shell steps a
+new coroutine synchronously, and only if it suspends does it become a task. A chain of cheap
+nodes therefore costs no task switches, while a slow node never holds anyone else back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+from collections import deque
+from collections.abc import Generator
+from typing import Any
+
+from omniflow._exceptions import (
+    InputError,
+    NodeError,
+    OmniflowError,
+    RuntimeClosedError,
+)
+from omniflow.dsl._context import ActivationContext, _current
+from omniflow.dsl._graph import GlobalParameters, Graph
+from omniflow.plan._parser import parse_graphs
+from omniflow.plan._plan import StaticPlan
+from omniflow.runtime._call import Call
+from omniflow.runtime._compiled import Compiled, compile_plan
+from omniflow.runtime._core import Activation, CallCore
+
+__all__ = ["Runtime", "RuntimeState"]
+
+
+class RuntimeState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+class SessionParams(dict[str, Any]):
+    """A session's GlobalParameters, each created by its factory on first use."""
+
+    def __init__(self, factories: dict[str, GlobalParameters]) -> None:
+        super().__init__()
+        self._factories = factories
+
+    def __missing__(self, name: str) -> Any:
+        p = self._factories.get(name)
+        if p is None:
+            raise KeyError(
+                f"no GlobalParameters named {name!r}; declared: {sorted(self._factories)}"
+            )
+        value = p.factory()
+        self[name] = value
+        return value
+
+
+class _Handle:
+    """What the context variable holds during an activation; builds the context on demand."""
+
+    __slots__ = ("act", "call", "params")
+
+    def __init__(self, call: Call, act: Activation, params: SessionParams) -> None:
+        self.call = call
+        self.act = act
+        self.params = params
+
+    def activation_context(self) -> ActivationContext:
+        a = self.act
+        return ActivationContext(
+            graph=self.call.graph,
+            session=self.call.session,
+            call_id=self.call.call_id,
+            node=a.node,
+            or_group=a.group,
+            params=self.params,
+            seq=a.seq[2],
+            aid=a.aid,
+        )
+
+
+class _Continue:
+    """Await an already-started coroutine that is suspended on ``fut`` (eager start's tail)."""
+
+    __slots__ = ("coro", "fut")
+
+    def __init__(self, coro: Any, fut: Any) -> None:
+        self.coro = coro
+        self.fut = fut
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        coro, fut = self.coro, self.fut
+        while True:
+            try:
+                yield fut
+            except BaseException as exc:  # thrown in by our task: cancellation
+                try:
+                    fut = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+                continue
+            try:
+                fut = coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+
+
+async def _await_continue(cont: _Continue) -> Any:
+    return await cont
+
+
+class Runtime:
+    """Runs graphs in-process (the embedded default).
+
+    >>> async with Runtime(graph_a, graph_b) as rt:            # doctest: +SKIP
+    ...     async for frame in rt.call("a", {"x": 1}):
+    ...         ...
+
+    ``placement`` and ``registry`` select where roles run (CONTRACT §5); this module is the
+    in-process placement.
+    """
+
+    def __init__(
+        self,
+        *graphs: Graph,
+        placement: Any = "inproc",
+        registry: str | None = None,
+        story_size: int = 10_000,
+        validate: bool = False,
+    ) -> None:
+        if not graphs:
+            raise OmniflowError("Runtime needs at least one Graph")
+        if placement != "inproc":
+            raise OmniflowError(
+                f"placement={placement!r} is not available in this build; use 'inproc'"
+            )
+        if registry is not None:
+            raise OmniflowError("registry=... needs a multi-process placement")
+        self.plans: dict[str, StaticPlan] = parse_graphs(graphs)
+        self._compiled: dict[str, Compiled] = {
+            name: compile_plan(p) for name, p in self.plans.items()
+        }
+        self._factories: dict[str, GlobalParameters] = {}
+        for p in self.plans.values():
+            self._factories.update(p.params)
+        roles: dict[int, Any] = {}
+        for p in self.plans.values():
+            for r in p.roles.values():
+                roles.setdefault(id(r), r)
+        self._roles = list(roles.values())
+        self.state = RuntimeState.NEW
+        self._ids = itertools.count(1)
+        self._calls: dict[str, Call] = {}
+        self._queues: dict[str, deque[Call]] = {}
+        self._params: dict[str, SessionParams] = {}
+        self._call_params: dict[str, SessionParams] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Bounded log of transitions: (call id, event, details).
+        self.story_log: deque[tuple[Any, ...]] | None = (
+            deque(maxlen=story_size) if story_size else None
+        )
+        #: Check every call core's invariants after each step (tests switch this on).
+        self.validate = validate
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._set_up: list[Any] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Runtime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self.state is not RuntimeState.NEW:
+            raise RuntimeClosedError(f"Runtime is {self.state.value}; it can start only once")
+        self._loop = asyncio.get_running_loop()
+        self.state = RuntimeState.RUNNING
+        try:
+            for role in self._roles:
+                setup = getattr(role, "setup", None)
+                if setup is not None:
+                    await setup()
+                self._set_up.append(role)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if self.state is RuntimeState.CLOSED:
+            return
+        self.state = RuntimeState.CLOSED
+        calls = list(self._calls.values())
+        for call in calls:
+            self._cancel_call(call)
+        for call in calls:
+            await call._done.wait()
+        errors: list[BaseException] = []
+        for role in reversed(self._set_up):
+            teardown = getattr(role, "teardown", None)
+            if teardown is not None:
+                try:
+                    await teardown()
+                except Exception as exc:
+                    errors.append(exc)
+        self._set_up.clear()
+        self._params.clear()
+        if errors:
+            raise OmniflowError(f"role teardown failed: {errors[0]!r}") from errors[0]
+
+    # ------------------------------------------------------------------ public API
+
+    def call(self, graph: str, inputs: dict[str, Any], session: str | None = None) -> Call:
+        """Start a call of ``graph``; returns at once. Calls of one session run in FIFO order."""
+        if self.state is not RuntimeState.RUNNING:
+            raise RuntimeClosedError(
+                f"Runtime is {self.state.value}; use 'async with omniflow.Runtime(...) as rt'"
+            )
+        compiled = self._compiled.get(graph)
+        if compiled is None:
+            raise InputError(
+                f"unknown graph '{graph}'; this runtime serves {sorted(self._compiled)}",
+                graph=graph,
+            )
+        if not isinstance(inputs, dict):
+            raise InputError(f"graph '{graph}': inputs must be a dict of Placeholder -> value")
+        plan = compiled.plan
+        for name in plan.inputs:
+            if name not in inputs:
+                raise InputError(
+                    f"graph '{graph}': missing input '{name}' (its Placeholders are "
+                    f"{list(plan.inputs)})",
+                    graph=graph,
+                    field=name,
+                )
+        for name in inputs:
+            if name not in plan.inputs:
+                raise InputError(
+                    f"graph '{graph}': unknown input '{name}'; its Placeholders are "
+                    f"{list(plan.inputs)}",
+                    graph=graph,
+                    field=name,
+                )
+        if session is not None and not isinstance(session, str):
+            raise InputError(f"session must be a str or None, got {session!r}")
+        call_id = f"c{next(self._ids)}"
+        call = Call(self, graph, call_id, dict(inputs), session)
+        self._calls[call_id] = call
+        assert self._loop is not None
+        if session is None:
+            self._loop.call_soon(self._start_call, call)
+        else:
+            q = self._queues.get(session)
+            if q is None:
+                q = self._queues[session] = deque()
+            q.append(call)
+            if len(q) == 1:
+                self._loop.call_soon(self._start_call, call)
+        return call
+
+    async def run(
+        self, graph: str, inputs: dict[str, Any], session: str | None = None
+    ) -> dict[str, list[Any]]:
+        """Run a call to its end; frames by field. Raises the first NodeError of the call."""
+        call = self.call(graph, inputs, session)
+        out = await call.collect()
+        for err in call.errors:
+            if err.kind == "error":
+                raise err
+        if call.status == "cancelled":
+            raise call.errors[0] if call.errors else NodeError("<call>", "cancelled", kind="cancel")
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Open buckets, in-flight activations and active calls, over the whole runtime."""
+        buckets = inflight = 0
+        for call in self._calls.values():
+            core = call.core
+            if core is not None:
+                buckets += len(core.buckets)
+                inflight += core.n_acts
+        return {
+            "open_buckets": buckets,
+            "inflight": inflight,
+            "active_calls": len(self._calls),
+        }
+
+    def sessions(self) -> list[str]:
+        """Sessions whose GlobalParameters are held (until ``close_session``)."""
+        return sorted(self._params)
+
+    def story(self, call_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """What happened to a call, oldest first (as far as the bounded log reaches back)."""
+        if self.story_log is None:
+            return []
+        return [(ev, d) for cid, ev, d in self.story_log if cid == call_id]
+
+    async def close_session(self, session: str) -> None:
+        """Wait for the session's queued calls, then release its GlobalParameters."""
+        q = self._queues.get(session)
+        while q:
+            await q[-1]._done.wait()
+            q = self._queues.get(session)
+        self._params.pop(session, None)
+
+    # ------------------------------------------------------------------ shell
+
+    def _start_call(self, call: Call) -> None:
+        if call.done or call.core is not None:
+            return
+        compiled = self._compiled[call.graph]
+        core = CallCore(compiled, call.call_id, story=self.story_log)
+        call.core = core
+        call.status = "running"
+        if call.session is None:
+            params = SessionParams(self._factories)
+        else:
+            params = self._params.get(call.session)
+            if params is None:
+                params = self._params[call.session] = SessionParams(self._factories)
+        self._call_params[call.call_id] = params
+        inputs = call._inputs or {}
+        call._inputs = None
+        core.start(inputs)
+        self._pump(call)
+
+    def _pump(self, call: Call) -> None:
+        core = call.core
+        if core is None:
+            return
+        run = core.to_run
+        while run:
+            self._launch(call, core, run.popleft())
+        if core.emitted:
+            frames = core.emitted
+            core.emitted = []
+            call._push(frames)
+        if core.to_cancel:
+            current = asyncio.current_task()
+            for act in core.to_cancel:
+                task = act.task
+                if task is not None and task is not current:
+                    task.cancel()
+            core.to_cancel.clear()
+        if self.validate:
+            core.validate()
+        if core.finished:
+            self._finish_call(call, core)
+
+    def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
+        method = core.c.methods[act.node]
+        token = _current.set(_Handle(call, act, self._call_params[call.call_id]))
+        try:
+            if core.c.specs[act.node].is_generator:
+                try:
+                    agen = method(**act.kwargs)
+                except Exception as exc:
+                    core.on_done(act, exc)
+                    return
+                task = asyncio.get_running_loop().create_task(self._drive(call, core, act, agen))
+                act.task = task
+                self._track(task)
+                return
+            try:
+                coro = method(**act.kwargs)
+                fut = coro.send(None)
+            except StopIteration as stop:
+                if stop.value is not None:
+                    core.on_frame(act, stop.value)
+                core.on_done(act)
+                return
+            except (Exception, asyncio.CancelledError) as exc:
+                core.on_done(act, exc)
+                return
+            task = asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
+            act.task = task
+            self._track(task)
+            task.add_done_callback(lambda t: self._resumed(call, core, act, coro, t))
+        finally:
+            _current.reset(token)
+
+    def _resumed(
+        self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
+    ) -> None:
+        if task.cancelled():
+            coro.close()
+            core.on_done(act, asyncio.CancelledError())
+        else:
+            exc = task.exception()
+            if exc is not None:
+                core.on_done(act, exc)
+            else:
+                value = task.result()
+                if value is not None:
+                    core.on_frame(act, value)
+                core.on_done(act)
+        self._pump(call)
+
+    async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
+        exc: BaseException | None = None
+        try:
+            while True:
+                try:
+                    frame = await agen.__anext__()
+                except StopAsyncIteration:
+                    break
+                if not core.on_frame(act, frame):
+                    break
+                self._pump(call)
+        except asyncio.CancelledError as e:
+            exc = e
+        except Exception as e:
+            exc = e
+        finally:
+            try:
+                await agen.aclose()
+            except BaseException as e:  # a generator that misbehaves on close
+                exc = exc or e
+        core.on_done(act, exc)
+        self._pump(call)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel_call(self, call: Call) -> None:
+        if call.done:
+            return
+        core = call.core
+        if core is None:
+            # Still queued behind its session: it never started.
+            self._finish_call(call, None, status="cancelled")
+            return
+        core.cancel()
+        self._pump(call)
+
+    def _finish_call(self, call: Call, core: CallCore | None, status: str | None = None) -> None:
+        if call.done:
+            return
+        self._calls.pop(call.call_id, None)
+        self._call_params.pop(call.call_id, None)
+        if core is not None:
+            if core.emitted:
+                call._push(core.emitted)
+                core.emitted = []
+            call._finish(core.status, core.errors)
+        else:
+            call._finish(status or "cancelled", [])
+        if call.session is not None:
+            q = self._queues.get(call.session)
+            if q is not None:
+                with contextlib.suppress(ValueError):
+                    q.remove(call)
+                if q:
+                    nxt = q[0]
+                    if nxt.core is None and self._loop is not None:
+                        self._loop.call_soon(self._start_call, nxt)
+                else:
+                    del self._queues[call.session]
