@@ -29,6 +29,12 @@ class Compiled:
     out_feeders: dict[str, frozenset[str]]
     #: Node -> nodes from which it can be reached (itself included).
     feeders: dict[str, frozenset[str]]
+    #: Caller field -> nodes whose live work can still produce a frame of it that keeps the
+    #: SeqId entry of that work (paths free of SeqId producers, which restamp what they make).
+    seq_out_feeders: dict[str, frozenset[str]]
+    #: Session node -> nodes whose live work can still bring it an activation with the SeqId
+    #: entry of that work.
+    seq_feeders: dict[str, frozenset[str]]
     #: Node specs.
     specs: dict[str, NodeSpec]
     #: Declared outputs per node, as sets.
@@ -57,6 +63,31 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         f: frozenset().union(*(feeders[s] for s in srcs)) if srcs else frozenset()
         for f, srcs in plan.output_producers.items()
     }
+    plain = set(plan.nodes) - plan.seq_producers
+    preds: dict[str, set[str]] = {n: set() for n in plan.nodes}
+    for src, _f, dst, _g in plan.edges:
+        if src != "<input>":
+            preds[dst].add(src)
+
+    def plain_feeders(target: str) -> frozenset[str]:
+        """Non-SeqId nodes that reach ``target`` through non-SeqId nodes only (``target``
+        itself included when it is not a SeqId producer)."""
+        out = {target} if target in plain else set()
+        stack = [target]
+        visited = {target}
+        while stack:
+            for m in preds[stack.pop()]:
+                if m in plain and m not in visited:
+                    visited.add(m)
+                    out.add(m)
+                    stack.append(m)
+        return frozenset(out)
+
+    seq_out_feeders = {
+        f: frozenset().union(*(plain_feeders(s) for s in srcs if s in plain))
+        for f, srcs in plan.output_producers.items()
+    }
+    seq_feeders = {n: plain_feeders(n) for n, sp in plan.specs.items() if sp.lb == "session"}
     methods = {n: getattr(plan.roles[spec.role], spec.method) for n, spec in plan.specs.items()}
     return Compiled(
         plan=plan,
@@ -66,6 +97,8 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         seq_nodes=plan.seq_producers | {"<input>"},
         out_feeders=out_feeders,
         feeders=feeders,
+        seq_out_feeders=seq_out_feeders,
+        seq_feeders=seq_feeders,
         specs=plan.specs,
         outputs={n: frozenset(s.outputs) for n, s in plan.specs.items()},
         cycle_nodes=plan.cycle_nodes,

@@ -108,6 +108,9 @@ class CallCore:
         self.graph = compiled.plan.graph
         self.call_id = call_id
         self.live = Liveness()
+        #: Liveness of gathering buckets alone (a session node asks whether one of its own
+        #: buckets may still fire with a given SeqId).
+        self.blive = Liveness()
         self._aids = itertools.count(1)
         #: Activations the shell must start now (FIFO).
         self.to_run: deque[Activation] = deque()
@@ -292,6 +295,7 @@ class CallCore:
             b.seq = _seq_in(prefix, self.c)
             self.buckets[bid] = b
             self.live.inc(prefix, bspec.node)
+            self.blive.inc(prefix, bspec.node)
             self._watch(key, b)
             self._log("bucket", node=bspec.node, group=bspec.group, key=key)
         err = b.add(f, value, (table[len(b.table) :], b.arrivals))
@@ -366,7 +370,8 @@ class CallCore:
         sq = self._session[node]
         if sq.busy or self.closing:
             return
-        feeders = self.c.feeders[node]
+        feeders = self.c.seq_feeders[node]
+        own = frozenset((node,))
         for so in sq.streams.values():
             while so.pending:
                 act = so.pop_current()
@@ -375,7 +380,8 @@ class CallCore:
                     self._unwatch_order(so)
                     self._run(act)
                     return
-                if self.live.reaches(so.entry(), feeders):
+                e = so.entry()
+                if self.live.reaches(e, feeders) or self.blive.reaches(e, own):
                     self._watch_order(so, None, node)
                     break
                 so.advance()
@@ -392,7 +398,7 @@ class CallCore:
         self._release_caller(f, so)
 
     def _release_caller(self, f: str, so: StreamOrder) -> None:
-        feeders = self.c.out_feeders[f]
+        feeders = self.c.seq_out_feeders[f]
         while so.pending:
             items = so.take_current()
             if items:
@@ -487,6 +493,7 @@ class CallCore:
             seq = b.seq if b.seq is not None else INPUT_ENTRY
             self._admit(Activation(next(self._aids), node, spec.group, payload, b.table, seq))
             live.dec(b.table, node)
+            self.blive.dec(b.table, node)
         else:
             assert verdict == DEAD
             self._kill_bucket(bid, b, payload)
@@ -495,6 +502,7 @@ class CallCore:
         self._retire_bucket(bid, b, "dead")
         self._log("dead", node=bid[0], group=bid[1], key=bid[2], reason=reason)
         self.live.dec(b.table, bid[0])
+        self.blive.dec(b.table, bid[0])
 
     def _retire_bucket(self, bid: tuple[str, int, Entry], b: Bucket, how: str) -> None:
         del self.buckets[bid]
@@ -509,6 +517,7 @@ class CallCore:
     def _drop_bucket(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
         self._retire_bucket(bid, b, "dead")
         self.live.dec(b.table, bid[0])
+        self.blive.dec(b.table, bid[0])
 
     def _drop_pending(self, act: Activation) -> None:
         act.state = DONE
@@ -529,6 +538,7 @@ class CallCore:
                 seq = b.seq if b.seq is not None else INPUT_ENTRY
                 self._admit(Activation(next(self._aids), bid[0], bid[1], payload, b.table, seq))
                 self.live.dec(b.table, bid[0])
+                self.blive.dec(b.table, bid[0])
                 self._settle()
                 return
             self._kill_bucket(bid, b, payload if verdict == DEAD else "quiescent")
@@ -613,6 +623,7 @@ class CallCore:
             if b not in self._waiters.get(b.key, ()):
                 raise AssertionError(f"bucket {node}/{b.key} gathers but nobody wakes it")
         self.live.validate(work)
+        self.blive.validate((b.table, node) for (node, _g, _k), b in self.buckets.items())
         if len(acts) != self.n_acts:
             raise AssertionError(f"n_acts={self.n_acts} but {len(acts)} activations are known")
         for bid in self.buckets:

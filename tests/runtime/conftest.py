@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import omniflow as of
+
+GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
+
+ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0}
+
+
+def load_graph_module(name: str) -> ModuleType:
+    """Import graphs/<name>.py (fresh roles each time, so tests do not share state)."""
+    path = GRAPHS / f"{name}.py"
+    mod_name = f"_test_graphs_{name}_{len(sys.modules)}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[Callable[..., Any]]:
+    """Factory: ``rt = await runtime(graph, ...)``; every runtime is checked and closed after."""
+    opened: list[of.Runtime] = []
+
+    async def make(*graphs: of.Graph, **kw: Any) -> of.Runtime:
+        kw.setdefault("validate", True)
+        rt = of.Runtime(*graphs, **kw)
+        await rt.start()
+        opened.append(rt)
+        return rt
+
+    yield make
+    for rt in opened:
+        stats = rt.stats()
+        await rt.close()
+        assert stats == ZERO, f"runtime left work behind: {stats}"
