@@ -51,6 +51,7 @@ class Activation:
         "node",
         "seq",
         "state",
+        "t0",
         "table",
         "task",
         "yidx",
@@ -79,6 +80,8 @@ class Activation:
         self.failed = False
         #: The shell's handle (task) while the method is suspended.
         self.task: Any = None
+        #: When the method started (set by the shell only while metrics are on).
+        self.t0 = 0.0
 
     def __repr__(self) -> str:
         return f"<Activation {self.node}#{self.aid} g{self.group} seq={self.seq}>"

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import time
 from collections import deque
 from collections.abc import Generator
 from typing import Any
@@ -33,6 +34,7 @@ from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import Activation, CallCore
+from omniflow.runtime._metrics import RuntimeMetrics
 
 __all__ = ["Runtime", "RuntimeState"]
 
@@ -133,6 +135,7 @@ class Runtime:
         registry: str | None = None,
         story_size: int = 10_000,
         validate: bool = False,
+        metrics: bool = False,
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
@@ -169,6 +172,8 @@ class Runtime:
         self.validate = validate
         self._loop: asyncio.AbstractEventLoop | None = None
         self._set_up: list[Any] = []
+        #: Counters for /metrics (None while metrics are off).
+        self.metrics: RuntimeMetrics | None = RuntimeMetrics() if metrics else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -319,6 +324,8 @@ class Runtime:
         compiled = self._compiled[call.graph]
         core = CallCore(compiled, call.call_id, story=self.story_log)
         call.core = core
+        if self.metrics is not None:
+            self.metrics.calls_started += 1
         call.status = "running"
         if call.session is None:
             params = SessionParams(self._factories)
@@ -343,6 +350,10 @@ class Runtime:
             frames = core.emitted
             core.emitted = []
             call._push(frames)
+            if self.metrics is not None:
+                out = self.metrics.frames_out
+                for f, *_ in frames:
+                    out[(call.graph, f)] = out.get((call.graph, f), 0) + 1
         if core.to_cancel:
             current = asyncio.current_task()
             for act in core.to_cancel:
@@ -357,13 +368,15 @@ class Runtime:
 
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
         method = core.c.methods[act.node]
+        if self.metrics is not None:
+            act.t0 = time.perf_counter()
         token = _current.set(_Handle(call, act, self._call_params[call.call_id]))
         try:
             if core.c.specs[act.node].is_generator:
                 try:
                     agen = method(**act.kwargs)
                 except Exception as exc:
-                    core.on_done(act, exc)
+                    self._done(call, core, act, exc)
                     return
                 task = asyncio.get_running_loop().create_task(self._drive(call, core, act, agen))
                 act.task = task
@@ -375,10 +388,10 @@ class Runtime:
             except StopIteration as stop:
                 if stop.value is not None:
                     core.on_frame(act, stop.value)
-                core.on_done(act)
+                self._done(call, core, act, None)
                 return
             except (Exception, asyncio.CancelledError) as exc:
-                core.on_done(act, exc)
+                self._done(call, core, act, exc)
                 return
             task = asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
             act.task = task
@@ -392,16 +405,16 @@ class Runtime:
     ) -> None:
         if task.cancelled():
             coro.close()
-            core.on_done(act, asyncio.CancelledError())
+            self._done(call, core, act, asyncio.CancelledError())
         else:
             exc = task.exception()
             if exc is not None:
-                core.on_done(act, exc)
+                self._done(call, core, act, exc)
             else:
                 value = task.result()
                 if value is not None:
                     core.on_frame(act, value)
-                core.on_done(act)
+                self._done(call, core, act, None)
         self._pump(call)
 
     async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
@@ -424,8 +437,21 @@ class Runtime:
                 await agen.aclose()
             except BaseException as e:  # a generator that misbehaves on close
                 exc = exc or e
-        core.on_done(act, exc)
+        self._done(call, core, act, exc)
         self._pump(call)
+
+    def _done(self, call: Call, core: CallCore, act: Activation, exc: BaseException | None) -> None:
+        m = self.metrics
+        if m is not None:
+            nm = m.node(call.graph, act.node)
+            nm.activations += 1
+            if exc is not None:
+                if isinstance(exc, asyncio.CancelledError):
+                    nm.cancelled += 1
+                else:
+                    nm.errors += 1
+            nm.observe(time.perf_counter() - act.t0)
+        core.on_done(act, exc)
 
     def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
@@ -454,6 +480,9 @@ class Runtime:
             call._finish(core.status, core.errors)
         else:
             call._finish(status or "cancelled", [])
+        if self.metrics is not None:
+            done = self.metrics.calls_finished
+            done[call.status] = done.get(call.status, 0) + 1
         if call.session is not None:
             q = self._queues.get(call.session)
             if q is not None:
