@@ -45,6 +45,12 @@ class Compiled:
     order: dict[str, int]
     #: Bound role methods by node.
     methods: dict[str, Any]
+    #: lb="session" nodes.
+    session_nodes: frozenset[str]
+    #: Async-generator nodes.
+    generators: frozenset[str]
+    #: Nodes with max_concurrency -> the limit.
+    throttled: dict[str, int]
 
 
 def compile_plan(plan: StaticPlan) -> Compiled:
@@ -104,4 +110,9 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         cycle_nodes=plan.cycle_nodes,
         order={n: i for i, n in enumerate(plan.nodes)},
         methods=methods,
+        session_nodes=frozenset(n for n, sp in plan.specs.items() if sp.lb == "session"),
+        generators=frozenset(n for n, sp in plan.specs.items() if sp.is_generator),
+        throttled={
+            n: sp.max_concurrency for n, sp in plan.specs.items() if sp.max_concurrency is not None
+        },
     )

@@ -182,14 +182,18 @@ class CallCore:
         idx = act.yidx
         act.yidx = idx + 1
         if node in self.c.stamping:
-            spec = self.c.specs[node]
-            if spec.lb == "session":
+            if node in self.c.session_nodes:
                 n = self._session_seq.get(node, 0)
                 self._session_seq[node] = n + 1
                 entry: Entry = (node, 0, n)
             else:
                 entry = (node, act.aid, idx)
-            table = (*tuple(e for e in act.table if e[0] != node), entry)
+            table = act.table
+            for e in table:
+                if e[0] == node:  # a loop came back: keep one entry per stamping node
+                    table = tuple(x for x in table if x[0] != node)
+                    break
+            table = (*table, entry)
             seq = entry if node in self.c.seq_nodes else act.seq
             self.live.inc(table, node)  # hold: consumers of this frame are created one by one
             for f, v in frame.items():
@@ -209,18 +213,16 @@ class CallCore:
         act.task = None
         self.running.discard(act)
         node = act.node
-        self._running_per_node[node] -= 1
         self.n_acts -= 1
         self.live.dec(act.table, node)
         if exc is not None:
             self._record_exc(act, exc)
-        else:
-            self._log("done", node=node, aid=act.aid, frames=act.yidx)
-        spec = self.c.specs[node]
-        if spec.lb == "session":
+        c = self.c
+        if node in c.session_nodes:
             self._session[node].busy = False
             self._pump_session(node)
-        if spec.max_concurrency is not None:
+        if node in c.throttled:
+            self._running_per_node[node] -= 1
             blocked = self._blocked.get(node)
             if blocked and not self.closing:
                 self._run(blocked.popleft())
@@ -257,7 +259,8 @@ class CallCore:
         """Retire an activation that never started (dropped by cancellation)."""
         act.state = DONE
         self.running.discard(act)
-        self._running_per_node[act.node] -= 1
+        if act.node in self.c.throttled:
+            self._running_per_node[act.node] -= 1
         self.n_acts -= 1
         self.live.dec(act.table, act.node)
 
@@ -340,8 +343,8 @@ class CallCore:
                 return
         self.n_acts += 1
         self.live.inc(act.table, node)
-        spec = self.c.specs[node]
-        if spec.lb == "session":
+        c = self.c
+        if node in c.session_nodes:
             sq = self._session.get(node)
             if sq is None:
                 sq = self._session[node] = _SessionQueue()
@@ -352,9 +355,8 @@ class CallCore:
             so.push(act.seq[2], act)
             self._pump_session(node)
             return
-        if spec.max_concurrency is not None and (
-            self._running_per_node.get(node, 0) >= spec.max_concurrency
-        ):
+        limit = c.throttled.get(node)
+        if limit is not None and self._running_per_node.get(node, 0) >= limit:
             self._blocked.setdefault(node, deque()).append(act)
             return
         self._run(act)
@@ -362,7 +364,8 @@ class CallCore:
     def _run(self, act: Activation) -> None:
         act.state = RUNNING
         node = act.node
-        self._running_per_node[node] = self._running_per_node.get(node, 0) + 1
+        if node in self.c.throttled:
+            self._running_per_node[node] = self._running_per_node.get(node, 0) + 1
         self.running.add(act)
         self.to_run.append(act)
 
@@ -394,10 +397,17 @@ class CallCore:
         so = self._caller.get(key)
         if so is None:
             so = self._caller[key] = StreamOrder(seq[0], seq[1])
-        if seq[2] == so.exp:
-            self.emitted.append((f, value, node, seq[2]))
+        idx = seq[2]
+        if idx != so.exp and not so.pending:
+            # The common streaming case: earlier indices have settled; skip over them.
+            feeders = self.c.seq_out_feeders[f]
+            reaches = self.live.reaches
+            while so.exp < idx and not reaches((so.node, so.sid, so.exp), feeders):
+                so.exp += 1
+        if idx == so.exp:
+            self.emitted.append((f, value, node, idx))
             return
-        so.push(seq[2], (f, value, node, seq[2]))
+        so.push(idx, (f, value, node, idx))
         self._release_caller(f, so)
 
     def _release_caller(self, f: str, so: StreamOrder) -> None:
@@ -406,6 +416,8 @@ class CallCore:
             items = so.take_current()
             if items:
                 self.emitted.extend(items)
+                if not so.pending:
+                    break
             if self.live.reaches(so.entry(), feeders):
                 self._watch_order(so, f, "")
                 return
@@ -449,6 +461,10 @@ class CallCore:
         """Evaluate touched buckets and waiters of entries whose liveness dropped, to a fixpoint;
         then finish the call if nothing of it is left."""
         live = self.live
+        if not (self._touched or live.dirty):
+            if not self.n_acts:
+                self._maybe_finish()
+            return
         while self._touched or live.dirty:
             while self._touched:
                 b = self._touched.pop()

@@ -372,7 +372,7 @@ class Runtime:
             act.t0 = time.perf_counter()
         token = _current.set(_Handle(call, act, self._call_params[call.call_id]))
         try:
-            if core.c.specs[act.node].is_generator:
+            if act.node in core.c.generators:
                 try:
                     agen = method(**act.kwargs)
                 except Exception as exc:
