@@ -59,7 +59,10 @@ class GraphError(OmniflowError):
         node: str | None = None,
         field: str | None = None,
     ) -> None:
-        prefix = f"graph '{graph}': " if graph and not message.startswith("graph ") else ""
+        # Name the graph unless the message already does ("graph output 'x'" does not).
+        prefix = (
+            f"graph '{graph}': " if graph and not message.startswith(f"graph '{graph}'") else ""
+        )
         super().__init__(prefix + message)
         self.graph = graph
         self.node = node

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from omniflow._exceptions import GraphError
 
@@ -64,6 +64,18 @@ class GlobalParametersRef:
     name: str
 
 
+T = TypeVar("T")
+
+
+def _listed(graph: str, what: str, value: Iterable[T]) -> tuple[T, ...]:
+    """``value`` as a tuple; a lone item (``outputs="picture"``) is an error, not its chars."""
+    if isinstance(value, str | Placeholder | GlobalParameters | GlobalParametersRef) or not (
+        isinstance(value, Iterable)
+    ):
+        raise GraphError(f"graph '{graph}': {what} must be a list, got {value!r}; wrap it: [...]")
+    return tuple(value)
+
+
 class Graph:
     """A declared graph: roles (by name), Placeholders, streamed outputs and session params.
 
@@ -87,9 +99,11 @@ class Graph:
             raise GraphError(f"graph '{name}': roles must be a non-empty dict of name -> Role")
         self.name = name
         self.roles: dict[str, object] = dict(roles)
-        self.inputs: tuple[Placeholder, ...] = tuple(inputs)
-        self.outputs: tuple[str, ...] = tuple(outputs)
-        self.params: tuple[GlobalParameters | GlobalParametersRef, ...] = tuple(params)
+        self.inputs: tuple[Placeholder, ...] = _listed(name, "inputs", inputs)
+        self.outputs: tuple[str, ...] = _listed(name, "outputs", outputs)
+        self.params: tuple[GlobalParameters | GlobalParametersRef, ...] = _listed(
+            name, "params", params
+        )
         if (
             isinstance(max_iterations, bool)
             or not isinstance(max_iterations, int)

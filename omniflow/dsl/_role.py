@@ -120,7 +120,9 @@ def interface(
                 items.append((fld, n))
             abc = tuple(items)
         if max_concurrency is not None and (
-            not isinstance(max_concurrency, int) or max_concurrency < 1
+            isinstance(max_concurrency, bool)
+            or not isinstance(max_concurrency, int)
+            or max_concurrency < 1
         ):
             raise GraphError(f"{where}: max_concurrency must be an int >= 1 or None")
         spec = InterfaceSpec(

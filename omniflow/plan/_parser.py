@@ -89,7 +89,8 @@ def _load_module(target: str | Path) -> ModuleType:
     path = Path(text)
     if text.endswith(".py") or path.exists():
         if not path.is_file():
-            raise GraphError(f"graph file '{text}' does not exist")
+            what = "is not a file" if path.exists() else "does not exist"
+            raise GraphError(f"graph file '{text}' {what}; pass the path to a .py file")
         path = path.resolve()
         name = "omniflow_user." + "_".join(path.with_suffix("").parts[-3:]).replace("-", "_")
         if name in sys.modules and getattr(sys.modules[name], "__omniflow_path__", None) == path:
@@ -111,8 +112,15 @@ def _load_module(target: str | Path) -> ModuleType:
         return module
     try:
         return importlib.import_module(text)
+    except GraphError:
+        raise
     except ImportError as exc:
-        raise GraphError(f"cannot import graph module '{text}': {exc}") from exc
+        raise GraphError(
+            f"cannot import graph module '{text}': {exc}; pass a path to an existing .py file "
+            "or an importable module name"
+        ) from exc
+    except Exception as exc:
+        raise GraphError(f"importing graph module '{text}' failed: {exc!r}") from exc
 
 
 def parse_graphs(graphs: Iterable[Graph]) -> dict[str, StaticPlan]:
@@ -179,6 +187,12 @@ def _resolve_roles(g: Graph, roles: dict[str, object]) -> dict[str, object]:
                     graph=g.name,
                 )
             role = target
+        if isinstance(role, type):
+            raise GraphError(
+                f"role '{rname}' is the class {role.__name__}, not an instance; write "
+                f"{role.__name__}() in Graph(roles=...)",
+                graph=g.name,
+            )
         out[rname] = role
     return out
 
@@ -372,7 +386,12 @@ def _build(
                     field=f,
                 )
     if len(set(g.outputs)) != len(g.outputs):
-        raise GraphError("graph outputs name a field twice", graph=gname)
+        dup = next(f for f in g.outputs if g.outputs.count(f) > 1)
+        raise GraphError(
+            f"graph outputs name field '{dup}' twice; list each output once",
+            graph=gname,
+            field=dup,
+        )
     for f in g.outputs:
         srcs = producers.get(f, ())
         if not srcs:

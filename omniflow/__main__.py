@@ -1,0 +1,7 @@
+"""``python -m omniflow ...`` is the ``omniflow`` command."""
+
+import sys
+
+from omniflow.cli import main
+
+sys.exit(main())
