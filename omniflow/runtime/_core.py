@@ -355,8 +355,8 @@ class CallCore:
             so.push(act.seq[2], act)
             self._pump_session(node)
             return
-        limit = c.throttled.get(node)
-        if limit is not None and self._running_per_node.get(node, 0) >= limit:
+        cap = c.throttled.get(node)
+        if cap is not None and self._running_per_node.get(node, 0) >= cap:
             self._blocked.setdefault(node, deque()).append(act)
             return
         self._run(act)

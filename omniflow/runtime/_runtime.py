@@ -330,9 +330,10 @@ class Runtime:
         if call.session is None:
             params = SessionParams(self._factories)
         else:
-            params = self._params.get(call.session)
-            if params is None:
-                params = self._params[call.session] = SessionParams(self._factories)
+            held = self._params.get(call.session)
+            if held is None:
+                held = self._params[call.session] = SessionParams(self._factories)
+            params = held
         self._call_params[call.call_id] = params
         inputs = call._inputs or {}
         call._inputs = None
