@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping
+from types import FrameType
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -111,8 +113,9 @@ class Graph:
         ):
             raise GraphError(f"graph '{name}': max_iterations must be an int >= 1")
         self.max_iterations = max_iterations
-        #: Module that defined the graph (filled by the parser when it loads a path).
-        self.module: str | None = None
+        #: Where a worker process finds this graph again: the defining module's file path
+        #: (or dotted name when it has no file); None for graphs built in ``__main__``.
+        self.module: str | None = _defining_module(sys._getframe(1))
         for p in self.inputs:
             if not isinstance(p, Placeholder):
                 raise GraphError(f"graph '{name}': inputs must be Placeholder objects, got {p!r}")
@@ -128,3 +131,15 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, roles={list(self.roles)}, outputs={list(self.outputs)})"
+
+
+def _defining_module(frame: FrameType | None) -> str | None:
+    """The file (or module name) of the code that declared a Graph, for worker processes."""
+    if frame is None:
+        return None
+    g = frame.f_globals
+    name = g.get("__name__")
+    if not isinstance(name, str) or name == "__main__":
+        return None
+    path = g.get("__omniflow_path__") or g.get("__file__")
+    return str(path) if path else name

@@ -73,7 +73,7 @@ def load_graphs(target: ModuleType | str | Path) -> list[Graph]:
     for g in graphs:
         if id(g) not in seen:
             seen.add(id(g))
-            g.module = g.module or _module_ref(module)
+            g.module = _module_ref(module) if g.module is None else g.module
             unique.append(g)
     return unique
 
