@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from types import FrameType
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, TypeVar
 
 from omniflow._exceptions import GraphError
