@@ -6,9 +6,12 @@
     ├── NodeError           a node failed, was cancelled, or broke a runtime rule during a call
     ├── RuntimeClosedError  a Runtime (or pool, server) was used outside its lifetime
     ├── TransportError      a message could not be encoded, sent or received
+    │   └── CodecError          a message is malformed, truncated or of another wire version
     ├── RegistryError       the service registry is unreachable or inconsistent
     └── DataError           the data plane could not place, find or deliver a buffer
-        └── DataTimeoutError    a connector ``get`` passed its deadline
+        ├── DataTimeoutError    a connector ``get`` passed its deadline
+        ├── PoolExhaustedError  a buffer pool cannot fit a block, even after evicting idle cache
+        └── InvalidBlockError   a handle or offset names no live block, or a release goes below 0
 
 Every exception carries structured fields and survives pickling, so an error raised in a worker
 process reaches the caller intact.
@@ -19,12 +22,15 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CodecError",
     "DataError",
     "DataTimeoutError",
     "GraphError",
     "InputError",
+    "InvalidBlockError",
     "NodeError",
     "OmniflowError",
+    "PoolExhaustedError",
     "RegistryError",
     "RuntimeClosedError",
     "TransportError",
@@ -132,11 +138,40 @@ class RuntimeClosedError(OmniflowError):
 
 
 class TransportError(OmniflowError):
-    """A control or data message could not be encoded, sent or received."""
+    """A control or data message could not be encoded, sent or received.
+
+    >>> err = TransportError("tcp://10.0.0.5:7000: connection refused", url="tcp://10.0.0.5:7000")
+    >>> err.url
+    'tcp://10.0.0.5:7000'
+    """
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        #: The endpoint involved, when there is one.
+        self.url = url
+
+
+class CodecError(TransportError):
+    """A received message is malformed, truncated, or was written by another wire version.
+
+    Decoding raises only this, whatever the bytes, so a receive loop can count and skip it.
+    """
 
 
 class RegistryError(OmniflowError):
-    """The service registry could not be reached or holds no replica for a role."""
+    """The service registry could not be reached or holds no replica for a role.
+
+    >>> err = RegistryError("role 'llm' has no live replica", role="llm")
+    >>> err.role
+    'llm'
+    """
+
+    def __init__(self, message: str, *, role: str | None = None, url: str | None = None) -> None:
+        super().__init__(message)
+        #: The role concerned, when there is one.
+        self.role = role
+        #: The registry URL (``redis://...``) for backend errors.
+        self.url = url
 
 
 class DataError(OmniflowError):
@@ -145,3 +180,51 @@ class DataError(OmniflowError):
 
 class DataTimeoutError(DataError, TimeoutError):
     """A connector ``get`` did not see its payload before the deadline."""
+
+
+class PoolExhaustedError(DataError):
+    """A buffer pool could not fit ``requested`` bytes, even after evicting every idle cached block.
+
+    >>> err = PoolExhaustedError("pool 'p': cannot allocate", pool="p", requested=4096)
+    >>> err.requested
+    4096
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        pool: str | None = None,
+        requested: int = 0,
+        free: int = 0,
+        largest_free: int = 0,
+        capacity: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.requested = requested
+        self.free = free
+        self.largest_free = largest_free
+        self.capacity = capacity
+
+
+class InvalidBlockError(DataError):
+    """A handle or byte offset names no live block of a pool, or a release would go below zero.
+
+    >>> err = InvalidBlockError("pool 'p': block #3 was freed", pool="p", block_id=3)
+    >>> err.block_id
+    3
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        pool: str | None = None,
+        block_id: int | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.block_id = block_id
+        self.offset = offset

@@ -1,0 +1,222 @@
+"""Endpoints and the transport registry: one small base class, one transport per URL scheme.
+
+>>> async def main():
+...     async with bind("inproc://worker") as worker, connect("inproc://worker") as front:
+...         await front.send([b"ping"])
+...         peer, frames = await worker.recv()        # the bound side learns who spoke
+...         await worker.send([b"pong"], peer=peer)   # ... and answers that peer
+...         return (await front.recv()).frames
+>>> asyncio.run(main())
+[b'pong']
+
+The pattern is ROUTER/DEALER: the side that **binds** (a worker hosting role replicas) receives
+from many connected peers, each packet tagged with the sender's identity, and sends by naming a
+peer; the side that **connects** (a front process, or another worker) has one peer, the bound
+side, and sends to it without naming anyone. A connected endpoint keeps its identity for life,
+so the bound side can reply to, or stream to, a peer at any time after its first message.
+
+Frames are ``bytes``/``bytearray``/``memoryview`` (see :mod:`omniflow.transport._codec`); they
+are sent without copying, so a buffer handed to ``send`` must not be written to afterwards.
+
+Schemes: ``inproc://name`` (asyncio queues: a whole multi-process topology inside one process),
+``ipc://path`` and ``tcp://host:port`` (pyzmq, ``tcp://host:0`` picks a free port; read the
+real address from ``endpoint.url``). :func:`register_transport` adds more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from types import TracebackType
+from typing import ClassVar, NamedTuple, Self
+
+from omniflow._exceptions import RuntimeClosedError, TransportError
+from omniflow.transport._codec import Buffer
+
+__all__ = [
+    "Endpoint",
+    "EndpointState",
+    "Packet",
+    "Transport",
+    "bind",
+    "connect",
+    "register_transport",
+    "transport_for",
+]
+
+
+class Packet(NamedTuple):
+    """What ``recv`` returns: the sending peer (``None`` on a connected endpoint) and frames."""
+
+    peer: bytes | None
+    frames: list[Buffer]
+
+
+class EndpointState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Endpoint(ABC):
+    """One end of the control plane: a bound endpoint (many peers) or a connected one (one).
+
+    Subclasses implement ``_send``, ``_recv`` and ``_close``; this class checks arguments and
+    lifetime, counts traffic, and turns "closed while waiting in recv" into
+    :class:`~omniflow.RuntimeClosedError`.
+    """
+
+    def __init__(self, url: str, *, bound: bool, identity: bytes | None = None) -> None:
+        #: The endpoint's address; for a bound ``tcp://host:0`` the port actually chosen.
+        self.url = url
+        #: True for the bound (ROUTER) side, False for the connected (DEALER) side.
+        self.bound = bound
+        #: This endpoint's routing identity (connected side), as the bound side sees it.
+        self.identity = identity
+        #: OPEN until ``close()``; never reopened.
+        self.state = EndpointState.OPEN
+        self._sent = 0
+        self._received = 0
+        self._sent_bytes = 0
+        self._received_bytes = 0
+
+    # ----------------------------------------------------------------------------- public API
+
+    async def send(self, frames: Sequence[Buffer], *, peer: bytes | None = None) -> None:
+        """Send one message of one or more frames; a bound endpoint must name the ``peer``."""
+        self._check_open("send")
+        if not frames:
+            raise TransportError(f"{self.url}: a message needs at least one frame", url=self.url)
+        if self.bound and peer is None:
+            raise TransportError(
+                f"{self.url}: a bound endpoint sends to a peer; pass peer=<the identity "
+                "recv() returned>",
+                url=self.url,
+            )
+        if not self.bound and peer is not None:
+            raise TransportError(
+                f"{self.url}: a connected endpoint has a single peer; drop peer=", url=self.url
+            )
+        await self._send(frames, peer)
+        self._sent += 1
+        self._sent_bytes += _nbytes(frames)
+
+    async def recv(self) -> Packet:
+        """Wait for the next message; raises RuntimeClosedError if the endpoint closes."""
+        self._check_open("recv")
+        try:
+            packet = await self._recv()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.state is EndpointState.CLOSED and (task is None or not task.cancelling()):
+                raise self._closed_error("recv") from None
+            raise
+        self._received += 1
+        self._received_bytes += _nbytes(packet.frames)
+        return packet
+
+    def close(self) -> None:
+        """Close the endpoint (idempotent); a pending ``recv`` raises RuntimeClosedError."""
+        if self.state is EndpointState.CLOSED:
+            return
+        self.state = EndpointState.CLOSED
+        self._close()
+
+    def statistics(self) -> dict[str, int]:
+        """Messages and bytes sent and received so far."""
+        return {
+            "sent": self._sent,
+            "received": self._received,
+            "sent_bytes": self._sent_bytes,
+            "received_bytes": self._received_bytes,
+        }
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        side = "bound" if self.bound else "connected"
+        return f"<{type(self).__name__} {side} {self.url} {self.state.value}>"
+
+    # --------------------------------------------------------------------------- for subclasses
+
+    @abstractmethod
+    async def _send(self, frames: Sequence[Buffer], peer: bytes | None) -> None: ...
+
+    @abstractmethod
+    async def _recv(self) -> Packet: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    def _check_open(self, op: str) -> None:
+        if self.state is EndpointState.CLOSED:
+            raise self._closed_error(op)
+
+    def _closed_error(self, op: str) -> RuntimeClosedError:
+        return RuntimeClosedError(f"{self.url}: cannot {op}, the endpoint is closed")
+
+
+class Transport(ABC):
+    """Opens endpoints for the URL schemes it serves."""
+
+    #: URL schemes this transport serves.
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def bind(self, url: str) -> Endpoint:
+        """Open the receiving side at ``url`` (raises TransportError if it is taken)."""
+
+    @abstractmethod
+    def connect(self, url: str, *, identity: bytes | None = None) -> Endpoint:
+        """Open a connected endpoint to ``url`` with a stable ``identity`` (random if None)."""
+
+
+_TRANSPORTS: dict[str, Transport] = {}
+
+
+def _nbytes(frames: Sequence[Buffer]) -> int:
+    return sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
+
+
+def register_transport(transport: Transport, *, schemes: Sequence[str] | None = None) -> None:
+    """Serve ``schemes`` (default: ``transport.schemes``) with ``transport``; replaces any."""
+    for scheme in schemes if schemes is not None else transport.schemes:
+        _TRANSPORTS[scheme] = transport
+
+
+def transport_for(url: str) -> Transport:
+    """The transport registered for ``url``'s scheme."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise TransportError(
+            f"{url!r} is not an endpoint URL; expected scheme://address, e.g. "
+            "inproc://worker, ipc:///tmp/of.sock or tcp://127.0.0.1:7000",
+            url=url,
+        )
+    try:
+        return _TRANSPORTS[scheme]
+    except KeyError:
+        known = ", ".join(sorted(_TRANSPORTS))
+        raise TransportError(
+            f"{url}: no transport for scheme '{scheme}' (known: {known})", url=url
+        ) from None
+
+
+def bind(url: str) -> Endpoint:
+    """Bind the receiving (ROUTER) side of ``url``; see the module docstring."""
+    return transport_for(url).bind(url)
+
+
+def connect(url: str, *, identity: bytes | None = None) -> Endpoint:
+    """Connect a (DEALER) endpoint to ``url``; see the module docstring."""
+    return transport_for(url).connect(url, identity=identity)

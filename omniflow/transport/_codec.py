@@ -1,0 +1,383 @@
+"""The wire format of control messages: msgpack in a versioned envelope, big buffers out of band.
+
+>>> import numpy as np
+>>> frames = encode({"op": "frame", "seq": 3, "image": np.zeros((512, 512), "f4")})
+>>> len(frames), len(frames[0]) < 200          # a small header + one out-of-band buffer
+(2, True)
+>>> decode(frames)["image"].shape
+(512, 512)
+
+A message is a list of frames::
+
+    frame 0   b"OF" | version (1 byte) | msgpack([kind, n_buffers, body])
+    frame 1.. raw buffers, each referenced by index from an ext value inside ``body``
+
+``body`` is a tree of str / int / float / bool / None / list / dict plus three ext types:
+
+    ====  ========  ===================================================================
+    code  type      payload (msgpack)
+    ====  ========  ===================================================================
+    1     buffer    ``[frame index, nbytes]`` of an out-of-band bytes-like value
+    2     ndarray   ``[dtype.str, shape, data]``; data is inline bytes or a frame index
+    3     tensor    ``[dtype name, shape, data]``; data is inline bytes or a frame index
+    ====  ========  ===================================================================
+
+Values of at least ``threshold`` bytes (64 KiB by default) travel as their own frame: ``encode``
+hands out a memoryview of the value's memory (no copy; a non-contiguous array is made contiguous
+first) and ``decode`` rebuilds the value over the received frame, again without a copy. So a
+buffer passed to ``encode`` must not be written to until the message is sent, and what ``decode``
+returns for a large value is a view of the frame: numpy arrays come back read-only, bytes-like
+values as a read-only ``memoryview``, torch tensors share the frame's memory (``clone()`` before
+writing in place). Small values are copied into the header and come back as ordinary ``bytes``,
+arrays and tensors. Tuples come back as lists; tensors come back on the CPU, detached.
+
+Decoding raises :class:`~omniflow.CodecError` and nothing else, whatever the input.
+numpy and torch are imported only when a message carries their values.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeAlias
+
+import msgpack  # type: ignore[import-untyped]
+
+from omniflow._exceptions import CodecError
+
+__all__ = [
+    "MAGIC",
+    "OOB_THRESHOLD",
+    "VERSION",
+    "Buffer",
+    "Message",
+    "decode",
+    "decode_message",
+    "encode",
+]
+
+#: The first two bytes of every header frame.
+MAGIC = b"OF"
+#: The wire version; bumped on any incompatible change of the envelope or the ext payloads.
+VERSION = 1
+#: Buffers of at least this many bytes travel out of band, as frames of their own.
+OOB_THRESHOLD = 64 * 1024
+#: Deepest nesting of lists and dicts that ``encode`` accepts (msgpack's own limit is 511).
+MAX_DEPTH = 128
+
+#: One frame of a message, as produced by ``encode`` or received from a transport (a
+#: ``zmq.Frame`` works too: anything with the buffer protocol).
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+_PREFIX = MAGIC + bytes([VERSION])
+_EXT_BUFFER = 1
+_EXT_NDARRAY = 2
+_EXT_TENSOR = 3
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_KEY_TYPES = (str, int, float, bytes, type(None))
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+class Message(NamedTuple):
+    """A decoded message: its ``kind`` (set by the sender) and its ``body``."""
+
+    kind: str
+    body: Any
+
+
+def encode(body: Any, *, kind: str = "msg", threshold: int = OOB_THRESHOLD) -> list[Buffer]:
+    """Encode ``body`` as ``[header, *buffers]``; buffers are views of the caller's memory.
+
+    >>> encode({"op": "ping"})
+    [b'OF\\x01\\x93\\xa3msg\\x00\\x81\\xa2op\\xa4ping']
+
+    Raises :class:`~omniflow.CodecError` naming the path of a value it cannot encode.
+    """
+    if not isinstance(kind, str):
+        raise CodecError(f"message kind must be a str, got {type(kind).__name__}")
+    packer = _Packer(threshold)
+    try:
+        tree = packer.walk(body, 0)
+        header = _PREFIX + msgpack.packb([kind, len(packer.buffers), tree], use_bin_type=True)
+    except _Unsupported as exc:
+        where = "".join(f"[{key!r}]" for key in reversed(exc.path))
+        raise CodecError(f"cannot encode message{where}: {exc.reason}") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # msgpack: int too big, ...
+        raise CodecError(f"cannot encode message: {exc}") from exc
+    return [header, *packer.buffers]
+
+
+def decode(frames: Sequence[Any]) -> Any:
+    """Decode the frames of one message into its body (see :func:`decode_message`)."""
+    return decode_message(frames).body
+
+
+def decode_message(frames: Sequence[Any]) -> Message:
+    """Decode ``[header, *buffers]`` into a :class:`Message`, rebuilding big values zero-copy.
+
+    Raises :class:`~omniflow.CodecError` (and only that) for anything but a well-formed
+    message of this wire version.
+    """
+    try:
+        return _decode(frames)
+    except CodecError:
+        raise
+    except Exception as exc:  # untrusted input: every failure is a CodecError
+        raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------- encoding
+
+
+class _Unsupported(Exception):
+    """A value ``encode`` cannot carry; ``path`` is filled in while unwinding."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.path: list[Any] = []
+
+
+class _Packer:
+    """Walks a body once, replacing arrays and big buffers by ext values."""
+
+    __slots__ = ("buffers", "threshold")
+
+    def __init__(self, threshold: int) -> None:
+        #: Out-of-band frames, in index order (frame i + 1 of the message).
+        self.buffers: list[Buffer] = []
+        #: Size from which a buffer leaves the header.
+        self.threshold = threshold
+
+    def walk(self, obj: Any, depth: int) -> Any:
+        cls = type(obj)
+        if cls in _SCALARS:
+            return obj
+        if depth >= MAX_DEPTH:
+            raise _Unsupported(f"nested deeper than {MAX_DEPTH} levels")
+        if cls is dict or isinstance(obj, dict):
+            out: dict[Any, Any] = {}
+            for key, value in obj.items():
+                if not isinstance(key, _KEY_TYPES):
+                    raise _Unsupported(f"dict key {key!r} is a {type(key).__name__}")
+                try:
+                    out[key] = self.walk(value, depth + 1)
+                except _Unsupported as exc:
+                    exc.path.append(key)
+                    raise
+            return out
+        if cls is list or cls is tuple or isinstance(obj, list | tuple):
+            items = []
+            for index, value in enumerate(obj):
+                try:
+                    items.append(self.walk(value, depth + 1))
+                except _Unsupported as exc:
+                    exc.path.append(index)
+                    raise
+            return items
+        if isinstance(obj, _BYTES_LIKE):
+            return self._bytes(obj)
+        if isinstance(obj, (str, int, float)):  # subclasses: IntEnum, StrEnum, np.float64
+            return obj
+        np = sys.modules.get("numpy")
+        if np is not None:
+            if isinstance(obj, np.ndarray):
+                return self._ndarray(obj, np)
+            if isinstance(obj, np.generic):
+                return self.walk(obj.item(), depth + 1)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._tensor(obj, torch)
+        raise _Unsupported(f"values of type {cls.__module__}.{cls.__qualname__} are not supported")
+
+    def _out_of_band(self, view: memoryview) -> int:
+        self.buffers.append(view)
+        return len(self.buffers)
+
+    def _bytes(self, obj: Buffer) -> Any:
+        view = obj if isinstance(obj, memoryview) else memoryview(obj)
+        if view.nbytes < self.threshold:
+            return obj if type(obj) is bytes else view.tobytes()
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        elif view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        index = self._out_of_band(view)
+        return msgpack.ExtType(_EXT_BUFFER, msgpack.packb([index, view.nbytes]))
+
+    def _ndarray(self, arr: Any, np: Any) -> Any:
+        dtype = arr.dtype
+        if dtype.hasobject or dtype.fields is not None:
+            raise _Unsupported(f"numpy arrays of dtype {dtype} are not supported")
+        shape = list(arr.shape)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        data: Any
+        if arr.nbytes < self.threshold:
+            data = arr.tobytes()
+        else:
+            data = self._out_of_band(memoryview(arr.reshape(-1).view(np.uint8)))
+        return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([dtype.str, shape, data]))
+
+    def _tensor(self, tensor: Any, torch: Any) -> Any:
+        if tensor.layout is not torch.strided or tensor.is_quantized:
+            raise _Unsupported(f"torch tensors with layout {tensor.layout} are not supported")
+        shape = list(tensor.shape)
+        flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data: Any
+        if flat.numel() < self.threshold:
+            data = flat.numpy().tobytes()
+        else:
+            data = self._out_of_band(memoryview(flat.numpy()))
+        name = str(tensor.dtype).removeprefix("torch.")
+        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([name, shape, data]))
+
+
+# --------------------------------------------------------------------------------- decoding
+
+
+def _decode(frames: Sequence[Any]) -> Message:
+    if len(frames) == 0:
+        raise CodecError("empty message: no header frame")
+    header = _frame_view(frames[0])
+    if header.nbytes < 3 or header[:2].tobytes() != MAGIC:
+        raise CodecError("not an omniflow message: the header does not start with b'OF'")
+    if header[2] != VERSION:
+        raise CodecError(
+            f"wire version {header[2]} is not supported (this omniflow speaks version "
+            f"{VERSION}); run the same omniflow version in every process"
+        )
+    oob = [_frame_view(frame) for frame in frames[1:]]
+    unpacked = msgpack.unpackb(
+        header[3:],
+        ext_hook=_ExtHook(oob),
+        raw=False,
+        strict_map_key=False,
+        use_list=True,
+    )
+    if not (isinstance(unpacked, list) and len(unpacked) == 3):
+        raise CodecError("malformed envelope: expected [kind, n_buffers, body]")
+    kind, n_buffers, body = unpacked
+    if not isinstance(kind, str):
+        raise CodecError(f"malformed envelope: kind is a {type(kind).__name__}, not a str")
+    if n_buffers != len(oob) or type(n_buffers) is not int:
+        raise CodecError(
+            f"truncated or padded message: the header announces {n_buffers!r} buffer frames, "
+            f"{len(oob)} arrived"
+        )
+    return Message(kind, body)
+
+
+def _frame_view(frame: Any) -> memoryview:
+    view = memoryview(frame)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view.toreadonly()
+
+
+class _ExtHook:
+    """msgpack ext_hook that resolves frame indices against the received frames."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[memoryview]) -> None:
+        self.frames = frames
+
+    def __call__(self, code: int, payload: bytes) -> Any:
+        if code == _EXT_BUFFER:
+            fields = msgpack.unpackb(payload)
+            if not (isinstance(fields, list) and len(fields) == 2):
+                raise CodecError("malformed buffer: expected [frame index, nbytes]")
+            return self._data(fields[0], fields[1], "buffer")
+        if code == _EXT_NDARRAY:
+            return self._ndarray(*self._array_payload(payload, "ndarray"))
+        if code == _EXT_TENSOR:
+            return self._tensor(*self._array_payload(payload, "tensor"))
+        raise CodecError(f"unknown ext type {code}")
+
+    def _frame(self, index: Any) -> memoryview:
+        if type(index) is not int or not 1 <= index <= len(self.frames):
+            raise CodecError(
+                f"buffer reference {index!r} names no frame (the message has "
+                f"{len(self.frames)} buffer frames)"
+            )
+        return self.frames[index - 1]
+
+    def _array_payload(self, payload: bytes, what: str) -> tuple[str, list[int], Any]:
+        fields = msgpack.unpackb(payload, raw=False)
+        if not (isinstance(fields, list) and len(fields) == 3):
+            raise CodecError(f"malformed {what}: expected [dtype, shape, data]")
+        dtype, shape, data = fields
+        if not isinstance(dtype, str):
+            raise CodecError(f"malformed {what}: dtype is not a str")
+        if (
+            not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape))
+            or len(shape) > 64
+        ):
+            raise CodecError(f"malformed {what}: shape {shape!r} is not a list of sizes")
+        if not isinstance(data, bytes | int):
+            raise CodecError(f"malformed {what}: data is neither bytes nor a frame index")
+        return dtype, shape, data
+
+    def _ndarray(self, dtype_str: str, shape: list[int], data: bytes | int) -> Any:
+        np = _require("numpy")
+        dtype = np.dtype(dtype_str)
+        if dtype.hasobject or dtype.fields is not None or dtype.subdtype or not dtype.itemsize:
+            raise CodecError(f"malformed ndarray: dtype {dtype_str!r} is not allowed")
+        buf = self._data(data, math.prod(shape) * dtype.itemsize, "ndarray")
+        if isinstance(buf, bytes):  # small: an owned, aligned, writable copy
+            return np.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
+        arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        arr.flags.writeable = False
+        return arr
+
+    def _tensor(self, dtype_name: str, shape: list[int], data: bytes | int) -> Any:
+        torch = _require("torch")
+        dtype = _torch_dtypes(torch).get(dtype_name)
+        if dtype is None:
+            raise CodecError(f"malformed tensor: unknown torch dtype {dtype_name!r}")
+        buf = self._data(data, math.prod(shape) * dtype.itemsize, "tensor")
+        if len(buf) == 0:
+            return torch.empty(shape, dtype=dtype)
+        if isinstance(buf, bytes):  # small: an owned, writable copy
+            flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():
+                # The frame is read-only memory; torch has no read-only tensors and says so.
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(buf, dtype=torch.uint8)
+        return flat.view(dtype).reshape(shape)
+
+    def _data(self, data: bytes | int, nbytes: int, what: str) -> bytes | memoryview:
+        buf = self._frame(data) if isinstance(data, int) else data
+        if type(nbytes) is not int:
+            raise CodecError(f"malformed {what}: size {nbytes!r} is not an int")
+        if len(buf) != nbytes:
+            raise CodecError(
+                f"malformed {what}: {len(buf)} data bytes where {nbytes} were announced"
+            )
+        return buf
+
+
+def _require(module: str) -> Any:
+    if module in sys.modules:
+        return sys.modules[module]
+    try:
+        return __import__(module)
+    except ImportError as exc:
+        raise CodecError(
+            f"the message carries a {module} value but {module} is not installed here"
+        ) from exc
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _torch_dtypes(torch: Any) -> dict[str, Any]:
+    if not _TORCH_DTYPES:
+        for value in vars(torch).values():
+            if isinstance(value, torch.dtype):
+                _TORCH_DTYPES[str(value).removeprefix("torch.")] = value
+    return _TORCH_DTYPES
