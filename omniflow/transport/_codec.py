@@ -20,6 +20,9 @@ A message is a list of frames::
     1     buffer    ``[frame index, nbytes]`` of an out-of-band bytes-like value
     2     ndarray   ``[dtype.str, shape, data]``; data is inline bytes or a frame index
     3     tensor    ``[dtype name, shape, data]``; data is inline bytes or a frame index
+    4     tuple     the items, as a msgpack array (so tuples come back as tuples)
+    5     pickle    a pickled object, only with ``encode(pickle=True)`` and decoded only
+                    with ``decode(allow_pickle=True)`` (a trusted control plane)
     ====  ========  ===================================================================
 
 Values of at least ``threshold`` bytes (64 KiB by default) travel as their own frame: ``encode``
@@ -29,7 +32,10 @@ buffer passed to ``encode`` must not be written to until the message is sent, an
 returns for a large value is a view of the frame: numpy arrays come back read-only, bytes-like
 values as a read-only ``memoryview``, torch tensors share the frame's memory (``clone()`` before
 writing in place). Small values are copied into the header and come back as ordinary ``bytes``,
-arrays and tensors. Tuples come back as lists; tensors come back on the CPU, detached.
+arrays and tensors. Tuples come back as tuples, other sequences as lists; tensors come back on
+the CPU, detached. Anything else is refused unless the sender opts into ``pickle=True`` and the
+receiver into ``allow_pickle=True``: the runtime's own worker protocol does both, because every
+process of one deployment runs the same code (bind ``tcp://`` only on a private network).
 
 Decoding raises :class:`~omniflow.CodecError` and nothing else, whatever the input.
 numpy and torch are imported only when a message carries their values.
@@ -75,6 +81,8 @@ _PREFIX = MAGIC + bytes([VERSION])
 _EXT_BUFFER = 1
 _EXT_NDARRAY = 2
 _EXT_TENSOR = 3
+_EXT_TUPLE = 4
+_EXT_PICKLE = 5
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _KEY_TYPES = (str, int, float, bytes, type(None))
 _BYTES_LIKE = (bytes, bytearray, memoryview)
@@ -87,7 +95,9 @@ class Message(NamedTuple):
     body: Any
 
 
-def encode(body: Any, *, kind: str = "msg", threshold: int = OOB_THRESHOLD) -> list[Buffer]:
+def encode(
+    body: Any, *, kind: str = "msg", threshold: int = OOB_THRESHOLD, pickle: bool = False
+) -> list[Buffer]:
     """Encode ``body`` as ``[header, *buffers]``; buffers are views of the caller's memory.
 
     >>> encode({"op": "ping"})
@@ -97,7 +107,7 @@ def encode(body: Any, *, kind: str = "msg", threshold: int = OOB_THRESHOLD) -> l
     """
     if not isinstance(kind, str):
         raise CodecError(f"message kind must be a str, got {type(kind).__name__}")
-    packer = _Packer(threshold)
+    packer = _Packer(threshold, pickle)
     try:
         tree = packer.walk(body, 0)
         header = _PREFIX + msgpack.packb([kind, len(packer.buffers), tree], use_bin_type=True)
@@ -109,19 +119,19 @@ def encode(body: Any, *, kind: str = "msg", threshold: int = OOB_THRESHOLD) -> l
     return [header, *packer.buffers]
 
 
-def decode(frames: Sequence[Any]) -> Any:
+def decode(frames: Sequence[Any], *, allow_pickle: bool = False) -> Any:
     """Decode the frames of one message into its body (see :func:`decode_message`)."""
-    return decode_message(frames).body
+    return decode_message(frames, allow_pickle=allow_pickle).body
 
 
-def decode_message(frames: Sequence[Any]) -> Message:
+def decode_message(frames: Sequence[Any], *, allow_pickle: bool = False) -> Message:
     """Decode ``[header, *buffers]`` into a :class:`Message`, rebuilding big values zero-copy.
 
     Raises :class:`~omniflow.CodecError` (and only that) for anything but a well-formed
     message of this wire version.
     """
     try:
-        return _decode(frames)
+        return _decode(frames, allow_pickle)
     except CodecError:
         raise
     except Exception as exc:  # untrusted input: every failure is a CodecError
@@ -143,13 +153,15 @@ class _Unsupported(Exception):
 class _Packer:
     """Walks a body once, replacing arrays and big buffers by ext values."""
 
-    __slots__ = ("buffers", "threshold")
+    __slots__ = ("buffers", "pickle", "threshold")
 
-    def __init__(self, threshold: int) -> None:
+    def __init__(self, threshold: int, pickle: bool = False) -> None:
         #: Out-of-band frames, in index order (frame i + 1 of the message).
         self.buffers: list[Buffer] = []
         #: Size from which a buffer leaves the header.
         self.threshold = threshold
+        #: Pickle values of other types instead of refusing them.
+        self.pickle = pickle
 
     def walk(self, obj: Any, depth: int) -> Any:
         cls = type(obj)
@@ -168,7 +180,7 @@ class _Packer:
                     exc.path.append(key)
                     raise
             return out
-        if cls is list or cls is tuple or isinstance(obj, list | tuple):
+        if cls is list or cls is tuple or (isinstance(obj, list | tuple) and not self.pickle):
             items = []
             for index, value in enumerate(obj):
                 try:
@@ -176,6 +188,8 @@ class _Packer:
                 except _Unsupported as exc:
                     exc.path.append(index)
                     raise
+            if cls is tuple:
+                return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
             return items
         if isinstance(obj, _BYTES_LIKE):
             return self._bytes(obj)
@@ -190,6 +204,14 @@ class _Packer:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(obj, torch)
+        if self.pickle:
+            import pickle as _pickle
+
+            try:
+                payload = _pickle.dumps(obj, protocol=5)
+            except Exception as exc:
+                raise _Unsupported(f"cannot pickle {cls.__qualname__}: {exc}") from None
+            return msgpack.ExtType(_EXT_PICKLE, payload)
         raise _Unsupported(f"values of type {cls.__module__}.{cls.__qualname__} are not supported")
 
     def _out_of_band(self, view: memoryview) -> int:
@@ -238,7 +260,7 @@ class _Packer:
 # --------------------------------------------------------------------------------- decoding
 
 
-def _decode(frames: Sequence[Any]) -> Message:
+def _decode(frames: Sequence[Any], allow_pickle: bool = False) -> Message:
     if len(frames) == 0:
         raise CodecError("empty message: no header frame")
     header = _frame_view(frames[0])
@@ -252,7 +274,7 @@ def _decode(frames: Sequence[Any]) -> Message:
     oob = [_frame_view(frame) for frame in frames[1:]]
     unpacked = msgpack.unpackb(
         header[3:],
-        ext_hook=_ExtHook(oob),
+        ext_hook=_ExtHook(oob, allow_pickle),
         raw=False,
         strict_map_key=False,
         use_list=True,
@@ -280,10 +302,11 @@ def _frame_view(frame: Any) -> memoryview:
 class _ExtHook:
     """msgpack ext_hook that resolves frame indices against the received frames."""
 
-    __slots__ = ("frames",)
+    __slots__ = ("allow_pickle", "frames")
 
-    def __init__(self, frames: list[memoryview]) -> None:
+    def __init__(self, frames: list[memoryview], allow_pickle: bool = False) -> None:
         self.frames = frames
+        self.allow_pickle = allow_pickle
 
     def __call__(self, code: int, payload: bytes) -> Any:
         if code == _EXT_BUFFER:
@@ -295,6 +318,17 @@ class _ExtHook:
             return self._ndarray(*self._array_payload(payload, "ndarray"))
         if code == _EXT_TENSOR:
             return self._tensor(*self._array_payload(payload, "tensor"))
+        if code == _EXT_TUPLE:
+            items = msgpack.unpackb(payload, ext_hook=self, raw=False, strict_map_key=False)
+            if not isinstance(items, list):
+                raise CodecError("malformed tuple: expected an array")
+            return tuple(items)
+        if code == _EXT_PICKLE:
+            if not self.allow_pickle:
+                raise CodecError("pickled values are refused on this endpoint")
+            import pickle as _pickle
+
+            return _pickle.loads(payload)
         raise CodecError(f"unknown ext type {code}")
 
     def _frame(self, index: Any) -> memoryview:

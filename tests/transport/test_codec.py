@@ -42,11 +42,33 @@ def test_nested_messages_round_trip(body: Any, kind: str) -> None:
     assert decode_message(frames) == Message(kind, body)
 
 
-def test_tuples_come_back_as_lists_and_enums_as_values() -> None:
+def test_tuples_come_back_as_tuples_and_enums_as_values() -> None:
     class Op(enum.IntEnum):
         CALL = 3
 
-    assert decode(encode({"t": (1, (2, 3)), "op": Op.CALL})) == {"t": [1, [2, 3]], "op": 3}
+    got = decode(encode({"t": (1, (2, [3, (4,)])), "l": [1], "op": Op.CALL}))
+    assert got == {"t": (1, (2, [3, (4,)])), "l": [1], "op": 3}
+    assert type(got["t"]) is tuple and type(got["t"][1][1]) is list
+
+
+class _Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Point) and other.x == self.x
+
+
+def test_other_objects_need_pickle_on_both_sides() -> None:
+    body = {"p": _Point(3), "s": {1, 2}, "nested": (_Point(4), np.zeros(2))}
+    with pytest.raises(CodecError, match="not supported"):
+        encode(body)
+    frames = encode(body, pickle=True)
+    with pytest.raises(CodecError, match="pickled values are refused"):
+        decode(frames)
+    got = decode(frames, allow_pickle=True)
+    assert got["p"] == _Point(3) and got["s"] == {1, 2} and got["nested"][0] == _Point(4)
+    assert isinstance(got["nested"], tuple)
 
 
 def test_header_is_magic_version_then_msgpack() -> None:
