@@ -35,7 +35,7 @@ from omniflow.dsl import (
     interface,
 )
 from omniflow.plan import StaticPlan, load_graphs, parse, parse_graphs
-from omniflow.runtime import Call, Frame, Runtime
+from omniflow.runtime import Call, Deploy, Frame, Runtime
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "Call",
     "DataError",
     "DataTimeoutError",
+    "Deploy",
     "Frame",
     "GlobalParameters",
     "GlobalParametersRef",

@@ -28,13 +28,14 @@ from omniflow._exceptions import (
     RuntimeClosedError,
 )
 from omniflow.dsl._context import ActivationContext, _current
-from omniflow.dsl._graph import GlobalParameters, Graph
+from omniflow.dsl._graph import GlobalParameters, Graph, RoleRef
 from omniflow.plan._parser import parse_graphs
 from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._metrics import RuntimeMetrics
+from omniflow.runtime._remote import RemoteRoles, plan_processes
 
 __all__ = ["Runtime", "RuntimeState"]
 
@@ -124,8 +125,11 @@ class Runtime:
     ...     async for frame in rt.call("a", {"x": 1}):
     ...         ...
 
-    ``placement`` and ``registry`` select where roles run (CONTRACT §5); this module is the
-    in-process placement.
+    ``placement`` selects where roles run (CONTRACT §5): ``"inproc"`` (every role in this
+    event loop), ``"process"`` (every role in a worker process of its own) or
+    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here).
+    ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory).
+    Scheduling always stays in this process, so semantics do not depend on placement.
     """
 
     def __init__(
@@ -139,13 +143,29 @@ class Runtime:
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
-        if placement != "inproc":
-            raise OmniflowError(
-                f"placement={placement!r} is not available in this build; use 'inproc'"
-            )
-        if registry is not None:
-            raise OmniflowError("registry=... needs a multi-process placement")
         self.plans: dict[str, StaticPlan] = parse_graphs(graphs)
+        role_modules: dict[str, str | None] = {}
+        for g in graphs:
+            for rname, role in g.roles.items():
+                if not isinstance(role, RoleRef):
+                    role_modules[rname] = g.module
+        processes = plan_processes(placement, role_modules)
+        if registry is not None and not processes:
+            raise OmniflowError(
+                "registry=... needs a multi-process placement (placement='process' or Deploy)"
+            )
+        #: Worker processes and their replicas (None for in-process placement).
+        self.remote: RemoteRoles | None = (
+            RemoteRoles(
+                processes, registry=registry, on_frame=self._remote_frame, on_done=self._remote_done
+            )
+            if processes
+            else None
+        )
+        remote_roles = self.remote.roles if self.remote is not None else frozenset()
+        self._remote_nodes = frozenset(
+            n for p in self.plans.values() for n, s in p.specs.items() if s.role in remote_roles
+        )
         self._compiled: dict[str, Compiled] = {
             name: compile_plan(p) for name, p in self.plans.items()
         }
@@ -154,8 +174,9 @@ class Runtime:
             self._factories.update(p.params)
         roles: dict[int, Any] = {}
         for p in self.plans.values():
-            for r in p.roles.values():
-                roles.setdefault(id(r), r)
+            for rname, r in p.roles.items():
+                if rname not in remote_roles:
+                    roles.setdefault(id(r), r)
         self._roles = list(roles.values())
         self.state = RuntimeState.NEW
         self._ids = itertools.count(1)
@@ -190,6 +211,8 @@ class Runtime:
         self._loop = asyncio.get_running_loop()
         self.state = RuntimeState.RUNNING
         try:
+            if self.remote is not None:
+                await self.remote.start()
             for role in self._roles:
                 setup = getattr(role, "setup", None)
                 if setup is not None:
@@ -208,6 +231,8 @@ class Runtime:
             self._cancel_call(call)
         for call in calls:
             await call._done.wait()
+        if self.remote is not None:
+            await self.remote.close()
         errors: list[BaseException] = []
         for role in reversed(self._set_up):
             teardown = getattr(role, "teardown", None)
@@ -315,6 +340,8 @@ class Runtime:
             await q[-1]._done.wait()
             q = self._queues.get(session)
         self._params.pop(session, None)
+        if self.remote is not None:
+            self.remote.close_session(session)
 
     # ------------------------------------------------------------------ shell
 
@@ -368,9 +395,13 @@ class Runtime:
             self._finish_call(call, core)
 
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
-        method = core.c.methods[act.node]
         if self.metrics is not None:
             act.t0 = time.perf_counter()
+        if act.node in self._remote_nodes:
+            assert self.remote is not None
+            self.remote.submit(call, core, act)
+            return
+        method = core.c.methods[act.node]
         token = _current.set(_Handle(call, act, self._call_params[call.call_id]))
         try:
             if act.node in core.c.generators:
@@ -454,6 +485,17 @@ class Runtime:
             nm.observe(time.perf_counter() - act.t0)
         core.on_done(act, exc)
 
+    def _remote_frame(self, call: Call, core: CallCore, act: Activation, frame: Any) -> None:
+        if not core.on_frame(act, frame) and act.task is not None and not core.closing:
+            act.task.cancel()  # the core rejected the frame: stop the remote method
+        self._pump(call)
+
+    def _remote_done(
+        self, call: Call, core: CallCore, act: Activation, exc: BaseException | None
+    ) -> None:
+        self._done(call, core, act, exc)
+        self._pump(call)
+
     def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -474,6 +516,8 @@ class Runtime:
             return
         self._calls.pop(call.call_id, None)
         self._call_params.pop(call.call_id, None)
+        if self.remote is not None:
+            self.remote.end_call(call.call_id)
         if core is not None:
             if core.emitted:
                 call._push(core.emitted)

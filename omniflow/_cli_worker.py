@@ -1,0 +1,59 @@
+"""``omniflow worker``: host replicas of roles in this process for front processes.
+
+    $ omniflow worker graphs/fig3.py --role llm --registry redis://127.0.0.1:6379/0
+
+With a registry the worker binds a free TCP port on ``--host`` (or ``--bind URL``), registers
+each role under a heartbeat, and any front process routing that role starts sending it work:
+this is how a replica is added by hand. The front's ``placement="process"`` spawns workers the
+same way, with ``--bind ipc://...`` and ``--replica-id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omniflow.cli import Subparsers
+
+__all__ = ["register"]
+
+
+def register(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "worker",
+        help="host replicas of roles for front processes (multi-process placement)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("graphs", nargs="+", metavar="GRAPH", help="graph .py files or modules")
+    p.add_argument(
+        "--role", action="append", required=True, help="role to host (repeat for several)"
+    )
+    p.add_argument("--bind", default=None, help="address to bind (default tcp://HOST:0)")
+    p.add_argument("--host", default="127.0.0.1", help="host for the default tcp address")
+    p.add_argument("--registry", default=None, help="service registry URL (redis://host:port/db)")
+    p.add_argument("--replica-id", default=None, help="unique replica id (default role-pid)")
+    p.add_argument(
+        "--heartbeat", type=float, default=1.0, help="registry heartbeat interval in seconds"
+    )
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from omniflow._exceptions import OmniflowError
+    from omniflow.runtime._worker import run_worker
+
+    if args.bind is None and args.registry is None:
+        raise OmniflowError(
+            "a hand-started worker needs --registry (so front processes can find it) or --bind"
+        )
+    address = args.bind or f"tcp://{args.host}:0"
+    return run_worker(
+        list(args.graphs),
+        list(args.role),
+        address,
+        replica_id=args.replica_id,
+        registry=args.registry,
+        heartbeat_interval=args.heartbeat,
+    )

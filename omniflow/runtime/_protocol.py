@@ -1,0 +1,35 @@
+"""The worker protocol: what the front process and a role's worker process say to each other.
+
+Messages ride the codec's envelope (``kind`` + body); frame values are encoded with
+``pickle=True`` (the control plane of one deployment is trusted) so a worker's frames reach
+the front exactly as an in-process method returned them, tuples and objects included.
+
+    front -> worker                          worker -> front
+    hello  {}                                ready  {replica, roles, pid}
+    run    {c, a, n, k, s, g, q, gr}         frame  {c, a, f}          (any number)
+    cancel {c, a}                            done   {c, a, e}          (exactly one per run)
+    close_session {s}
+    stop   {}                                bye    {}
+
+``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
+``g`` OR group, ``q`` SeqId index, ``gr`` graph, ``f`` frame dict, ``e`` error or None:
+``{"t": exception type, "m": message, "cancel": bool}``. Frames of one activation and its
+``done`` travel on one connection, so they arrive in the order they were sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniflow.transport._codec import Buffer, decode_message, encode
+
+__all__ = ["decode_msg", "encode_msg"]
+
+
+def encode_msg(kind: str, body: dict[str, Any]) -> list[Buffer]:
+    return encode(body, kind=kind, pickle=True)
+
+
+def decode_msg(frames: list[Buffer]) -> tuple[str, Any]:
+    msg = decode_message(frames, allow_pickle=True)
+    return msg.kind, msg.body

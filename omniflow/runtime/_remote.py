@@ -1,0 +1,504 @@
+"""Front side of the multi-process runtime: worker processes, replicas, load balancing.
+
+The front keeps every call core (all scheduling decisions); a role placed in a worker only
+changes *where* its methods run. ``RemoteRoles.submit`` sends a ``run`` to a replica chosen by
+the node's load balancer; the replica's ``frame`` and ``done`` messages come back to the
+runtime shell exactly as a local method's would. A replica that dies fails the activations it
+held with a NodeError saying so, at once when the front spawned the process, and within the
+registry's time-to-live otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import tempfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from omniflow._exceptions import NodeError, OmniflowError, RuntimeClosedError, TransportError
+from omniflow.runtime._protocol import decode_msg, encode_msg
+from omniflow.transport import connect
+
+if TYPE_CHECKING:
+    from omniflow.registry import ServiceRegistry
+    from omniflow.runtime._call import Call
+    from omniflow.runtime._core import Activation, CallCore
+
+__all__ = ["Deploy", "ProcessSpec", "RemoteRoles", "plan_processes"]
+
+logger = logging.getLogger("omniflow.remote")
+
+#: How the runtime shell is told about a remote activation's progress.
+OnFrame = Callable[["Call", "CallCore", "Activation", Any], None]
+OnDone = Callable[["Call", "CallCore", "Activation", BaseException | None], None]
+
+
+class Deploy:
+    """Group roles into named worker processes and replicate them.
+
+    >>> Deploy({"llm": {"replicas": 2, "process": "gpu0"}, "vit": {"process": "gpu0"}})
+    Deploy({'llm': {'replicas': 2, 'process': 'gpu0'}, 'vit': {'process': 'gpu0'}})
+
+    Roles that share a ``process`` name run in one process (each replica of the group is one
+    process); roles not named stay in the front process.
+    """
+
+    _KEYS = frozenset({"replicas", "process"})
+
+    def __init__(self, roles: dict[str, dict[str, Any]]) -> None:
+        if not isinstance(roles, dict):
+            raise OmniflowError(
+                "Deploy takes a dict: {role name: {'replicas': n, 'process': name}}"
+            )
+        for name, opts in roles.items():
+            if not isinstance(opts, dict):
+                raise OmniflowError(f"Deploy: options of role '{name}' must be a dict")
+            unknown = set(opts) - self._KEYS
+            if unknown:
+                raise OmniflowError(
+                    f"Deploy: role '{name}' has unknown option(s) {sorted(unknown)}; "
+                    f"use {sorted(self._KEYS)}"
+                )
+            n = opts.get("replicas", 1)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise OmniflowError(f"Deploy: role '{name}' replicas must be an int >= 1")
+        self.roles = {k: dict(v) for k, v in roles.items()}
+
+    def __repr__(self) -> str:
+        return f"Deploy({self.roles!r})"
+
+
+@dataclass
+class ProcessSpec:
+    """One group of roles that runs as ``replicas`` worker processes."""
+
+    name: str
+    roles: list[str]
+    replicas: int
+    modules: list[str]
+
+
+def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[ProcessSpec]:
+    """Which roles go to which worker processes; [] for in-process placement."""
+    if placement == "inproc":
+        return []
+    if placement == "process":
+        wanted = {r: {"process": r, "replicas": 1} for r in role_modules}
+    elif isinstance(placement, Deploy):
+        wanted = placement.roles
+    else:
+        raise OmniflowError(
+            f"placement={placement!r} is not understood; use 'inproc', 'process' or "
+            "omniflow.Deploy({...})"
+        )
+    groups: dict[str, ProcessSpec] = {}
+    for role, opts in wanted.items():
+        if role not in role_modules:
+            raise OmniflowError(
+                f"Deploy names role '{role}', which no graph of this runtime declares; roles: "
+                f"{sorted(role_modules)}"
+            )
+        module = role_modules[role]
+        if module is None:
+            raise OmniflowError(
+                f"role '{role}' must run in a worker process, but its graph was built in "
+                "__main__; define the graph at module level in an importable module or .py file"
+            )
+        pname = str(opts.get("process", role))
+        n = int(opts.get("replicas", 1))
+        spec = groups.get(pname)
+        if spec is None:
+            groups[pname] = ProcessSpec(pname, [role], n, [module])
+            continue
+        if spec.replicas != n and "replicas" in opts:
+            raise OmniflowError(
+                f"Deploy: roles of process '{pname}' disagree on replicas "
+                f"({spec.replicas} vs {n}); a process group is replicated as a whole"
+            )
+        spec.roles.append(role)
+        if module not in spec.modules:
+            spec.modules.append(module)
+    return list(groups.values())
+
+
+@dataclass
+class _Pending:
+    """An activation running on one or more replicas."""
+
+    call: Call
+    core: CallCore
+    act: Activation
+    replicas: list[_Replica]
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Replica:
+    replica_id: str
+    roles: list[str]
+    address: str
+    endpoint: Any = None
+    process: asyncio.subprocess.Process | None = None
+    alive: bool = True
+    ready: asyncio.Future[None] | None = None
+    out: asyncio.Queue[list[Any] | None] = field(default_factory=asyncio.Queue)
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    #: (call id, aid) of activations it runs.
+    held: set[tuple[str, int]] = field(default_factory=set)
+    exit_code: int | None = None
+
+
+class _RemoteHandle:
+    """What ``act.task`` holds for a remote activation: ``cancel()`` asks its replicas."""
+
+    __slots__ = ("key", "remote")
+
+    def __init__(self, remote: RemoteRoles, key: tuple[str, int]) -> None:
+        self.remote = remote
+        self.key = key
+
+    def cancel(self) -> None:
+        self.remote._cancel(self.key)
+
+
+class RemoteRoles:
+    """The worker processes of one Runtime and the replicas it routes to."""
+
+    def __init__(
+        self,
+        processes: list[ProcessSpec],
+        *,
+        registry: str | None,
+        on_frame: OnFrame,
+        on_done: OnDone,
+        heartbeat_interval: float = 1.0,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self.processes = processes
+        self.registry_url = registry
+        self.heartbeat_interval = heartbeat_interval
+        self.start_timeout = start_timeout
+        self._on_frame = on_frame
+        self._on_done = on_done
+        #: Roles served by workers.
+        self.roles = frozenset(r for p in processes for r in p.roles)
+        self._replicas: dict[str, _Replica] = {}
+        self._by_role: dict[str, list[_Replica]] = {r: [] for r in self.roles}
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._rr: dict[str, itertools.count[int]] = {r: itertools.count() for r in self.roles}
+        self._affinity: dict[tuple[str, str], str] = {}
+        self._call_replicas: dict[str, set[_Replica]] = {}
+        self._registry: ServiceRegistry | None = None
+        self._watchers: list[asyncio.Task[Any]] = []
+        self._tmp = tempfile.mkdtemp(prefix="omniflow-")
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.registry_url:
+            from omniflow.registry import create_registry
+
+            self._registry = create_registry(
+                self.registry_url, heartbeat_interval=self.heartbeat_interval
+            )
+            await self._registry.start()
+        n = itertools.count()
+        starts = []
+        for spec in self.processes:
+            for i in range(spec.replicas):
+                rid = f"{spec.name}-{i}-{os.getpid()}"
+                address = f"ipc://{self._tmp}/w{next(n)}.sock"
+                starts.append(self._spawn(spec, rid, address))
+        try:
+            await asyncio.wait_for(asyncio.gather(*starts), self.start_timeout)
+        except BaseException:
+            await self.close()
+            raise
+        if self._registry is not None:
+            loop = asyncio.get_running_loop()
+            for role in sorted(self.roles):
+                self._watchers.append(loop.create_task(self._watch(role)))
+
+    async def _spawn(self, spec: ProcessSpec, rid: str, address: str) -> None:
+        cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
+        for role in spec.roles:
+            cmd += ["--role", role]
+        cmd += ["--bind", address, "--replica-id", rid]
+        if self.registry_url:
+            cmd += ["--registry", self.registry_url, "--heartbeat", str(self.heartbeat_interval)]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL)
+        rep = _Replica(rid, list(spec.roles), address, process=proc)
+        self._replicas[rid] = rep
+        rep.tasks.append(asyncio.get_running_loop().create_task(self._reap(rep)))
+        await self._connect(rep)
+
+    async def _connect(self, rep: _Replica) -> None:
+        loop = asyncio.get_running_loop()
+        rep.endpoint = connect(rep.address)
+        rep.ready = loop.create_future()
+        rep.tasks.append(loop.create_task(self._write(rep)))
+        rep.tasks.append(loop.create_task(self._read(rep)))
+        rep.out.put_nowait(encode_msg("hello", {}))
+        await rep.ready
+        for role in rep.roles:
+            self._by_role.setdefault(role, []).append(rep)
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._watchers:
+            task.cancel()
+        for rep in list(self._replicas.values()):
+            if rep.alive and rep.endpoint is not None and rep.process is not None:
+                rep.out.put_nowait(encode_msg("stop", {}))
+        for rep in list(self._replicas.values()):
+            proc = rep.process
+            if proc is not None and proc.returncode is None:
+                try:
+                    await asyncio.wait_for(proc.wait(), 5)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+            rep.alive = False
+            for task in rep.tasks:
+                task.cancel()
+            for task in rep.tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            if rep.endpoint is not None:
+                rep.endpoint.close()
+        self._replicas.clear()
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                await self._registry.close()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._tmp):
+                os.unlink(os.path.join(self._tmp, name))
+            os.rmdir(self._tmp)
+
+    # ------------------------------------------------------------------ routing
+
+    def submit(self, call: Call, core: CallCore, act: Activation) -> None:
+        """Run ``act`` on a replica of its role (all replicas for lb="broadcast")."""
+        spec = core.c.specs[act.node]
+        role = spec.role
+        live = [r for r in self._by_role.get(role, ()) if r.alive]
+        if not live:
+            self._on_done(
+                call,
+                core,
+                act,
+                NodeError(
+                    act.node,
+                    f"no live replica of role '{role}' (every worker of it is gone)",
+                    call_id=call.call_id,
+                    graph=call.graph,
+                ),
+            )
+            return
+        if spec.lb == "broadcast":
+            targets = live
+        elif spec.lb == "session" and call.session is not None:
+            targets = [self._pick_session(call.session, role, live)]
+        else:
+            targets = [live[next(self._rr[role]) % len(live)]]
+        key = (call.call_id, act.aid)
+        self._pending[key] = _Pending(call, core, act, list(targets))
+        act.task = _RemoteHandle(self, key)
+        body = {
+            "c": call.call_id,
+            "a": act.aid,
+            "n": act.node,
+            "k": act.kwargs,
+            "s": call.session,
+            "g": act.group,
+            "q": act.seq[2],
+            "gr": call.graph,
+        }
+        try:
+            frames = encode_msg("run", body)
+        except Exception as exc:
+            del self._pending[key]
+            self._on_done(
+                call,
+                core,
+                act,
+                NodeError(
+                    act.node,
+                    f"its inputs cannot be sent to a worker process: {exc}",
+                    call_id=call.call_id,
+                    graph=call.graph,
+                ),
+            )
+            return
+        if core.c.plan.params:
+            self._call_replicas.setdefault(call.call_id, set()).update(targets)
+        for rep in targets:
+            rep.held.add(key)
+            rep.out.put_nowait(frames)
+
+    def _pick_session(self, session: str, role: str, live: list[_Replica]) -> _Replica:
+        """Session affinity: keep a session on one replica; re-pin when that one is gone."""
+        rid = self._affinity.get((session, role))
+        for rep in live:
+            if rep.replica_id == rid:
+                return rep
+        rep = live[zlib.crc32(session.encode()) % len(live)]
+        self._affinity[(session, role)] = rep.replica_id
+        if self._registry is not None:
+            asyncio.get_running_loop().create_task(self._share_pin(session, role, rep, rid))
+        return rep
+
+    async def _share_pin(self, session: str, role: str, rep: _Replica, old: str | None) -> None:
+        assert self._registry is not None
+        with contextlib.suppress(Exception):
+            winner = await self._registry.pin_affinity(session, role, rep.replica_id, replace=old)
+            self._affinity[(session, role)] = winner
+
+    def end_call(self, call_id: str) -> None:
+        """Let the workers drop the session-less GlobalParameters of a finished call."""
+        reps = self._call_replicas.pop(call_id, None)
+        if reps:
+            frames = encode_msg("end_call", {"c": call_id})
+            for rep in reps:
+                if rep.alive:
+                    rep.out.put_nowait(frames)
+
+    def close_session(self, session: str) -> None:
+        frames = encode_msg("close_session", {"s": session})
+        for rep in self._replicas.values():
+            if rep.alive:
+                rep.out.put_nowait(frames)
+        for key in [k for k in self._affinity if k[0] == session]:
+            del self._affinity[key]
+
+    def _cancel(self, key: tuple[str, int]) -> None:
+        p = self._pending.get(key)
+        if p is None:
+            return
+        frames = encode_msg("cancel", {"c": key[0], "a": key[1]})
+        for rep in p.replicas:
+            if rep.alive:
+                rep.out.put_nowait(frames)
+
+    # ------------------------------------------------------------------ I/O
+
+    async def _write(self, rep: _Replica) -> None:
+        while True:
+            frames = await rep.out.get()
+            if frames is None:
+                return
+            try:
+                await rep.endpoint.send(frames)
+            except (TransportError, RuntimeClosedError) as exc:
+                self._lost(rep, f"sending to it failed ({exc})")
+                return
+
+    async def _read(self, rep: _Replica) -> None:
+        while True:
+            try:
+                _peer, frames = await rep.endpoint.recv()
+            except (RuntimeClosedError, TransportError, asyncio.CancelledError):
+                return
+            try:
+                kind, body = decode_msg(frames)
+            except Exception as exc:
+                logger.warning("replica %s sent a bad message: %s", rep.replica_id, exc)
+                continue
+            if kind == "frame":
+                p = self._pending.get((body["c"], body["a"]))
+                if p is not None:
+                    self._on_frame(p.call, p.core, p.act, body["f"])
+            elif kind == "done":
+                self._replica_done(rep, (body["c"], body["a"]), body["e"])
+            elif kind == "ready" and rep.ready is not None and not rep.ready.done():
+                rep.ready.set_result(None)
+
+    def _replica_done(
+        self, rep: _Replica, key: tuple[str, int], err: dict[str, Any] | None
+    ) -> None:
+        rep.held.discard(key)
+        p = self._pending.get(key)
+        if p is None:
+            return
+        if rep in p.replicas:
+            p.replicas.remove(rep)
+        if err is not None and p.error is None:
+            if err.get("cancel"):
+                p.error = asyncio.CancelledError()
+            else:
+                p.error = NodeError(
+                    p.act.node,
+                    f"{err['t']}: {err['m']}",
+                    call_id=p.call.call_id,
+                    graph=p.call.graph,
+                    exc_type=err["t"],
+                )
+        if not p.replicas:
+            del self._pending[key]
+            self._on_done(p.call, p.core, p.act, p.error)
+
+    async def _reap(self, rep: _Replica) -> None:
+        assert rep.process is not None
+        code = await rep.process.wait()
+        rep.exit_code = code
+        if not self._closing:
+            self._lost(rep, f"its process exited with code {code}")
+
+    async def _watch(self, role: str) -> None:
+        """Follow the registry: connect to replicas that appear, fail the ones that vanish."""
+        assert self._registry is not None
+        async with self._registry.watch(role) as watch:
+            async for snapshot in watch:
+                present = {r.replica_id: r for r in snapshot.replicas}
+                for rep in list(self._by_role.get(role, ())):
+                    if rep.alive and rep.replica_id not in present:
+                        self._lost(rep, "it stopped heartbeating (evicted from the registry)")
+                for rid, replica in present.items():
+                    if rid not in self._replicas:
+                        rep = _Replica(rid, [role], replica.address)
+                        self._replicas[rid] = rep
+                        try:
+                            await asyncio.wait_for(self._connect(rep), self.start_timeout)
+                        except (TimeoutError, TransportError) as exc:
+                            self._lost(rep, f"it did not answer ({exc})")
+                    elif role not in self._replicas[rid].roles:
+                        self._replicas[rid].roles.append(role)
+
+    def _lost(self, rep: _Replica, why: str) -> None:
+        if not rep.alive:
+            return
+        rep.alive = False
+        for reps in self._by_role.values():
+            if rep in reps:
+                reps.remove(rep)
+        if rep.ready is not None and not rep.ready.done():
+            rep.ready.set_exception(OmniflowError(f"worker {rep.replica_id} died before ready"))
+        logger.warning("replica %s lost: %s", rep.replica_id, why)
+        for key in sorted(rep.held):
+            p = self._pending.get(key)
+            if p is None:
+                continue
+            if p.error is None:
+                p.error = NodeError(
+                    p.act.node,
+                    f"replica lost: replica '{rep.replica_id}' of role "
+                    f"'{p.core.c.specs[p.act.node].role}' was lost while running it ({why})",
+                    call_id=p.call.call_id,
+                    graph=p.call.graph,
+                )
+            self._replica_done(rep, key, None)
+        rep.held.clear()
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "replicas": sum(1 for r in self._replicas.values() if r.alive),
+            "remote_inflight": len(self._pending),
+        }

@@ -1,0 +1,337 @@
+"""A worker process: hosts replicas of roles and runs their methods for front processes.
+
+    omniflow worker graphs/fig3.py --role llm --registry redis://127.0.0.1:6379/0
+
+The worker imports the graph modules, rebuilds its roles (``setup()`` runs here), binds a
+ROUTER endpoint, registers each role in the registry (when one is given) and then runs every
+``run`` message it receives, streaming frames back to the front that asked. It takes no
+scheduling decision: buckets, ordering and liveness stay in the front's call core, so
+semantics are the same as in-process by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
+from omniflow.dsl._context import ActivationContext, _current
+from omniflow.dsl._graph import GlobalParameters
+from omniflow.plan._parser import load_graphs, parse_graphs
+from omniflow.runtime._protocol import decode_msg, encode_msg
+from omniflow.transport import bind
+
+__all__ = ["Worker", "run_worker"]
+
+logger = logging.getLogger("omniflow.worker")
+
+_Key = tuple[bytes | None, str, int]
+
+
+class _Unsendable(OmniflowError):
+    """A frame the codec cannot carry; the activation fails with this error."""
+
+
+class _Params(dict[str, Any]):
+    def __init__(self, factories: dict[str, GlobalParameters]) -> None:
+        super().__init__()
+        self._factories = factories
+
+    def __missing__(self, name: str) -> Any:
+        p = self._factories.get(name)
+        if p is None:
+            raise KeyError(
+                f"no GlobalParameters named {name!r}; declared: {sorted(self._factories)}"
+            )
+        value = self[name] = p.factory()
+        return value
+
+
+class Worker:
+    """Serves the roles ``roles`` of the graphs in ``modules`` on ``address``."""
+
+    def __init__(
+        self,
+        modules: Iterable[str],
+        roles: Iterable[str],
+        address: str,
+        *,
+        replica_id: str | None = None,
+        registry: str | None = None,
+        heartbeat_interval: float = 1.0,
+    ) -> None:
+        self.modules = list(modules)
+        self.role_names = list(roles)
+        self.address = address
+        self.replica_id = replica_id or f"{'+'.join(self.role_names)}-{os.getpid()}"
+        self.registry_url = registry
+        self.heartbeat_interval = heartbeat_interval
+        self._methods: dict[str, Any] = {}
+        self._generators: set[str] = set()
+        self._roles: list[Any] = []
+        self._factories: dict[str, GlobalParameters] = {}
+        self._session_params: dict[str, _Params] = {}
+        self._call_params: dict[str, _Params] = {}
+        self._running: dict[_Key, Any] = {}
+        self._out: asyncio.Queue[tuple[bytes | None, list[Any]] | None] = asyncio.Queue()
+        self._stop = asyncio.Event()
+
+    def _load(self) -> None:
+        graphs = []
+        for module in self.modules:
+            graphs.extend(load_graphs(module))
+        plans = parse_graphs(graphs)
+        found: dict[str, Any] = {}
+        for plan in plans.values():
+            self._factories.update(plan.params)
+            for node, spec in plan.specs.items():
+                if spec.role in self.role_names:
+                    role = plan.roles[spec.role]
+                    found.setdefault(spec.role, role)
+                    self._methods[node] = getattr(role, spec.method)
+                    if spec.is_generator:
+                        self._generators.add(node)
+        missing = [r for r in self.role_names if r not in found]
+        if missing:
+            raise OmniflowError(
+                f"worker: no graph in {self.modules} declares role(s) {missing}; roles there: "
+                f"{sorted({s.role for p in plans.values() for s in p.specs.values()})}"
+            )
+        seen: set[int] = set()
+        for role in found.values():
+            if id(role) not in seen:
+                seen.add(id(role))
+                self._roles.append(role)
+
+    async def run(self) -> None:
+        """Load, set up, serve until ``stop`` (or SIGTERM), tear down."""
+        self._load()
+        for role in self._roles:
+            await role.setup()
+        endpoint = bind(self.address)
+        registry = None
+        try:
+            if self.registry_url:
+                from omniflow.registry import create_registry
+
+                registry = create_registry(
+                    self.registry_url, heartbeat_interval=self.heartbeat_interval
+                )
+                await registry.start()
+                for name in self.role_names:
+                    await registry.register(
+                        name, self.replica_id, endpoint.url, {"pid": os.getpid()}
+                    )
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+            writer = loop.create_task(self._write(endpoint))
+            reader = loop.create_task(self._read(endpoint))
+            await self._stop.wait()
+            reader.cancel()
+            for task in list(self._running.values()):
+                task.cancel()
+            for _ in range(100):
+                if not self._running:
+                    break
+                await asyncio.sleep(0.01)
+            await self._out.put(None)
+            with contextlib.suppress(asyncio.CancelledError, TransportError):
+                await asyncio.wait_for(writer, 2)
+        finally:
+            if registry is not None:
+                with contextlib.suppress(Exception):
+                    await registry.close()
+            endpoint.close()
+            for role in reversed(self._roles):
+                try:
+                    await role.teardown()
+                except Exception:
+                    logger.exception("teardown of %s failed", type(role).__name__)
+
+    async def _write(self, endpoint: Any) -> None:
+        while True:
+            item = await self._out.get()
+            if item is None:
+                return
+            peer, frames = item
+            try:
+                await endpoint.send(frames, peer=peer)
+            except TransportError:
+                logger.warning("worker %s: a front went away", self.replica_id)
+
+    async def _read(self, endpoint: Any) -> None:
+        while True:
+            try:
+                peer, frames = await endpoint.recv()
+            except (RuntimeClosedError, asyncio.CancelledError):
+                return
+            try:
+                kind, body = decode_msg(frames)
+                self._handle(peer, kind, body)
+            except Exception as exc:  # malformed input never kills the worker
+                logger.warning("worker %s: dropped a bad message: %s", self.replica_id, exc)
+
+    def _send(self, peer: bytes | None, kind: str, body: dict[str, Any]) -> None:
+        self._out.put_nowait((peer, encode_msg(kind, body)))
+
+    def _handle(self, peer: bytes | None, kind: str, body: Any) -> None:
+        if kind == "run":
+            self._start(peer, body)
+        elif kind == "cancel":
+            task = self._running.get((peer, body["c"], body["a"]))
+            if task is not None:
+                task.cancel()
+        elif kind == "hello":
+            self._send(
+                peer,
+                "ready",
+                {"replica": self.replica_id, "roles": self.role_names, "pid": os.getpid()},
+            )
+        elif kind == "end_call":
+            self._call_params.pop(body["c"], None)
+        elif kind == "close_session":
+            self._session_params.pop(body["s"], None)
+        elif kind == "stop":
+            self._stop.set()
+        else:
+            raise TransportError(f"unknown message kind {kind!r}")
+
+    def _params(self, session: str | None, call_id: str) -> _Params:
+        table = self._session_params if session is not None else self._call_params
+        key = session if session is not None else call_id
+        p = table.get(key)
+        if p is None:
+            p = table[key] = _Params(self._factories)
+        return p
+
+    def _start(self, peer: bytes | None, body: dict[str, Any]) -> None:
+        c, a, node = body["c"], body["a"], body["n"]
+        method = self._methods.get(node)
+        if method is None:
+            self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
+            return
+        ctx = ActivationContext(
+            graph=body["gr"],
+            session=body["s"],
+            call_id=c,
+            node=node,
+            or_group=body["g"],
+            params=self._params(body["s"], c),
+            seq=body["q"],
+            aid=a,
+        )
+        token = _current.set(ctx)
+        loop = asyncio.get_running_loop()
+        try:
+            key = (peer, c, a)
+            if node in self._generators:
+                try:
+                    agen = method(**body["k"])
+                except Exception as exc:
+                    self._done(peer, c, a, exc)
+                    return
+                self._running[key] = loop.create_task(self._drive(key, agen))
+                return
+            try:
+                coro = method(**body["k"])
+                fut = coro.send(None)
+            except StopIteration as stop:
+                err: BaseException | None = None
+                if stop.value is not None:
+                    try:
+                        self._frame(peer, c, a, stop.value)
+                    except _Unsendable as e:
+                        err = e
+                self._done(peer, c, a, err)
+                return
+            except (Exception, asyncio.CancelledError) as exc:
+                self._done(peer, c, a, exc)
+                return
+            from omniflow.runtime._runtime import _await_continue, _Continue
+
+            task = loop.create_task(_await_continue(_Continue(coro, fut)))
+            self._running[key] = task
+            task.add_done_callback(lambda t: self._finished(key, coro, t))
+        finally:
+            _current.reset(token)
+
+    def _finished(self, key: _Key, coro: Any, task: asyncio.Task[Any]) -> None:
+        self._running.pop(key, None)
+        peer, c, a = key
+        if task.cancelled():
+            coro.close()
+            self._done(peer, c, a, asyncio.CancelledError())
+            return
+        exc = task.exception()
+        if exc is None and task.result() is not None:
+            try:
+                self._frame(peer, c, a, task.result())
+            except _Unsendable as e:
+                exc = e
+        self._done(peer, c, a, exc)
+
+    async def _drive(self, key: _Key, agen: Any) -> None:
+        peer, c, a = key
+        exc: BaseException | None = None
+        try:
+            async for frame in agen:
+                self._frame(peer, c, a, frame)
+        except _Unsendable as e:
+            exc = e
+            with contextlib.suppress(BaseException):
+                await agen.aclose()
+        except asyncio.CancelledError as e:
+            exc = e
+        except Exception as e:
+            exc = e
+        finally:
+            self._running.pop(key, None)
+        self._done(peer, c, a, exc)
+
+    def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
+        try:
+            self._send(peer, "frame", {"c": c, "a": a, "f": frame})
+        except Exception as exc:  # a value the wire cannot carry fails the activation
+            raise _Unsendable(f"a frame could not be sent to the front: {exc}") from exc
+
+    def _done(self, peer: bytes | None, c: str, a: int, exc: BaseException | None) -> None:
+        err = None
+        if exc is not None:
+            err = {
+                "t": type(exc).__name__,
+                "m": str(exc),
+                "cancel": isinstance(exc, asyncio.CancelledError),
+            }
+        self._send(peer, "done", {"c": c, "a": a, "e": err})
+
+
+def run_worker(
+    modules: list[str],
+    roles: list[str],
+    address: str,
+    *,
+    replica_id: str | None = None,
+    registry: str | None = None,
+    heartbeat_interval: float = 1.0,
+) -> int:
+    """Entry point of ``omniflow worker``: serve until SIGTERM or a ``stop`` message."""
+
+    async def main() -> None:
+        worker = Worker(
+            modules,
+            roles,
+            address,
+            replica_id=replica_id,
+            registry=registry,
+            heartbeat_interval=heartbeat_interval,
+        )
+        await worker.run()
+
+    asyncio.run(main())
+    return 0
