@@ -89,6 +89,7 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
     """Which roles go to which worker processes; [] for in-process placement."""
     if placement == "inproc":
         return []
+    wanted: dict[str, dict[str, Any]]
     if placement == "process":
         wanted = {r: {"process": r, "replicas": 1} for r in role_modules}
     elif isinstance(placement, Deploy):
@@ -153,6 +154,8 @@ class _Replica:
     #: (call id, aid) of activations it runs.
     held: set[tuple[str, int]] = field(default_factory=set)
     exit_code: int | None = None
+    #: Absent from the last registry snapshot (a registry-found replica on probation).
+    missing: bool = False
 
 
 class _RemoteHandle:
@@ -453,24 +456,50 @@ class RemoteRoles:
             self._lost(rep, f"its process exited with code {code}")
 
     async def _watch(self, role: str) -> None:
-        """Follow the registry: connect to replicas that appear, fail the ones that vanish."""
+        """Follow the registry: connect to replicas that appear, drop the ones that vanish.
+
+        Replicas this front spawned are watched through their processes, not the registry, so
+        a Redis restart (an empty registry until workers re-register, within one heartbeat
+        interval) cannot fail their calls. A replica found elsewhere that vanishes gets one
+        heartbeat interval of grace before it counts as lost.
+        """
         assert self._registry is not None
-        async with self._registry.watch(role) as watch:
-            async for snapshot in watch:
-                present = {r.replica_id: r for r in snapshot.replicas}
-                for rep in list(self._by_role.get(role, ())):
-                    if rep.alive and rep.replica_id not in present:
-                        self._lost(rep, "it stopped heartbeating (evicted from the registry)")
-                for rid, replica in present.items():
-                    if rid not in self._replicas:
-                        rep = _Replica(rid, [role], replica.address)
-                        self._replicas[rid] = rep
-                        try:
-                            await asyncio.wait_for(self._connect(rep), self.start_timeout)
-                        except (TimeoutError, TransportError) as exc:
-                            self._lost(rep, f"it did not answer ({exc})")
-                    elif role not in self._replicas[rid].roles:
-                        self._replicas[rid].roles.append(role)
+        from omniflow._exceptions import RegistryError
+
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            try:
+                async with self._registry.watch(role) as watch:
+                    async for snapshot in watch:
+                        present = {r.replica_id: r for r in snapshot.replicas}
+                        for rep in list(self._by_role.get(role, ())):
+                            if rep.process is None and rep.replica_id not in present:
+                                loop.call_later(
+                                    self.heartbeat_interval, self._check_missing, role, rep
+                                )
+                            rep.missing = rep.replica_id not in present
+                        for rid, replica in present.items():
+                            if rid not in self._replicas:
+                                await self._adopt(role, rid, replica.address)
+                            elif role not in self._replicas[rid].roles:
+                                self._replicas[rid].roles.append(role)
+            except RegistryError as exc:
+                logger.warning("registry unreachable while watching %s: %s", role, exc)
+                await asyncio.sleep(self.heartbeat_interval)
+
+    async def _adopt(self, role: str, rid: str, address: str) -> None:
+        rep = _Replica(rid, [role], address)
+        self._replicas[rid] = rep
+        try:
+            await asyncio.wait_for(self._connect(rep), self.start_timeout)
+        except (TimeoutError, TransportError, OmniflowError) as exc:
+            self._lost(rep, f"it did not answer ({exc!r})")
+            del self._replicas[rid]
+
+    def _check_missing(self, role: str, rep: _Replica) -> None:
+        if rep.alive and rep.missing and not self._closing:
+            self._lost(rep, "it stopped heartbeating (gone from the registry)")
+            self._replicas.pop(rep.replica_id, None)
 
     def _lost(self, rep: _Replica, why: str) -> None:
         if not rep.alive:
