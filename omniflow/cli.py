@@ -34,7 +34,12 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Handler: TypeAlias = Callable[[argparse.Namespace], int]
 
 #: Modules that each define ``register(subparsers: Subparsers) -> None``, in help order.
-SUBCOMMANDS: tuple[str, ...] = ("omniflow._cli_plan",)
+SUBCOMMANDS: tuple[str, ...] = (
+    "omniflow._cli_plan",
+    "omniflow._cli_run",
+    "omniflow._cli_serve",
+    "omniflow._cli_worker",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
