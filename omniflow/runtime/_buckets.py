@@ -19,7 +19,16 @@ from omniflow.dsl._role import _All
 from omniflow.plan._plan import NodeSpec, StaticPlan
 from omniflow.runtime._liveness import Entry, Table
 
-__all__ = ["DEAD", "FIRE", "WAIT", "Bucket", "BucketSpec", "FieldSpec", "bucket_specs"]
+__all__ = [
+    "DEAD",
+    "FIRE",
+    "WAIT",
+    "Bucket",
+    "BucketSpec",
+    "FieldSpec",
+    "bucket_specs",
+    "rule_error",
+]
 
 WAIT, FIRE, DEAD = "wait", "fire", "dead"
 
@@ -108,19 +117,10 @@ class Bucket:
 
     def add(self, fld: str, value: Any, sort_key: Any) -> str | None:
         """Store a frame; return an error message when the frame breaks the field's rule."""
-        fs = self.spec.by_field[fld]
         lst = self.frames.setdefault(fld, [])
-        if fs.mode == "plain" and lst:
-            return (
-                f"field '{fld}' received a second frame for the same activation; two streams "
-                f"meet here frame by frame. Declare collect=['{fld}'] to receive all frames as a "
-                "list, or make the streams share a fork source"
-            )
-        if fs.mode == "count" and fs.threshold is not None and len(lst) >= fs.threshold:
-            return (
-                f"field '{fld}' received more than activate_by_count={fs.threshold} frames in "
-                "one call; use omniflow.ALL to take every frame, or a larger count"
-            )
+        err = rule_error(self.spec.by_field[fld], len(lst))
+        if err is not None:
+            return err
         lst.append((sort_key, value))
         self.arrivals += 1
         return None
@@ -161,6 +161,22 @@ class Bucket:
         if not self.arrivals:
             return DEAD, "every input ended without a frame"
         return FIRE, kwargs
+
+
+def rule_error(fs: FieldSpec, before: int) -> str | None:
+    """The error of a frame of ``fs`` arriving after ``before`` others in one bucket, if any."""
+    if fs.mode == "plain" and before:
+        return (
+            f"field '{fs.name}' received a second frame for the same activation; two streams "
+            f"meet here frame by frame. Declare collect=['{fs.name}'] to receive all frames as a "
+            "list, or make the streams share a fork source"
+        )
+    if fs.mode == "count" and fs.threshold is not None and before >= fs.threshold:
+        return (
+            f"field '{fs.name}' received more than activate_by_count={fs.threshold} frames in "
+            "one call; use omniflow.ALL to take every frame, or a larger count"
+        )
+    return None
 
 
 def _ordered(lst: list[tuple[Any, Any]] | None) -> list[Any]:

@@ -30,7 +30,8 @@ class Compiled:
     #: Node -> nodes from which it can be reached (itself included).
     feeders: dict[str, frozenset[str]]
     #: Caller field -> nodes whose live work can still produce a frame of it that keeps the
-    #: SeqId entry of that work (paths free of SeqId producers, which restamp what they make).
+    #: SeqId entry of that work (paths free of SeqId producers, which restamp what they make,
+    #: plus everything between a bucket's root and its sources: a bucket takes its root's SeqId).
     seq_out_feeders: dict[str, frozenset[str]]
     #: Session node -> nodes whose live work can still bring it an activation with the SeqId
     #: entry of that work.
@@ -70,30 +71,46 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         for f, srcs in plan.output_producers.items()
     }
     plain = set(plan.nodes) - plan.seq_producers
-    preds: dict[str, set[str]] = {n: set() for n in plan.nodes}
-    for src, _f, dst, _g in plan.edges:
-        if src != "<input>":
-            preds[dst].add(src)
 
-    def plain_feeders(target: str) -> frozenset[str]:
-        """Non-SeqId nodes that reach ``target`` through non-SeqId nodes only (``target``
-        itself included when it is not a SeqId producer)."""
+    def seq_keepers(target: str) -> frozenset[str]:
+        """Nodes whose live work under a SeqId entry can still bring ``target`` a frame or an
+        activation carrying that entry: non-SeqId nodes on non-SeqId paths to ``target``
+        (``target`` itself included when it is not a SeqId producer), and, since a bucket's
+        activation takes the SeqId of its root's frame, every node between the root of a
+        bucket on such a path and the bucket's sources, whatever its kind."""
         out = {target} if target in plain else set()
         stack = [target]
         visited = {target}
         while stack:
-            for m in preds[stack.pop()]:
-                if m in plain and m not in visited:
+            n = stack.pop()
+            nxt: list[str] = []
+            for g, fields in enumerate(plan.specs[n].groups):
+                if (n, g) in plan.buckets:
+                    root = plan.diamond_roots[(n, g)]
+                    if root == "<input>":
+                        continue  # its activations carry the call's entry, index 0 only
+                    srcs = {s for _f, s in plan.slots[(n, g)]}
+                    out.update(
+                        m
+                        for m in plan.reach[root]
+                        if m != root and not srcs.isdisjoint(plan.reach[m])
+                    )
+                    if root in plain:
+                        nxt.append(root)
+                else:
+                    nxt.extend(m for f in fields for m in plan.producers[f] if m in plain)
+            for m in nxt:
+                if m not in visited:
                     visited.add(m)
                     out.add(m)
                     stack.append(m)
         return frozenset(out)
 
     seq_out_feeders = {
-        f: frozenset().union(*(plain_feeders(s) for s in srcs if s in plain))
+        f: frozenset().union(*(seq_keepers(s) for s in srcs if s in plain))
         for f, srcs in plan.output_producers.items()
     }
-    seq_feeders = {n: plain_feeders(n) for n, sp in plan.specs.items() if sp.lb == "session"}
+    seq_feeders = {n: seq_keepers(n) for n, sp in plan.specs.items() if sp.lb == "session"}
     methods = {n: getattr(plan.roles[spec.role], spec.method) for n, spec in plan.specs.items()}
     return Compiled(
         plan=plan,

@@ -27,7 +27,7 @@ from collections import deque
 from typing import Any
 
 from omniflow._exceptions import NodeError
-from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec
+from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec, rule_error
 from omniflow.runtime._compiled import Compiled
 from omniflow.runtime._liveness import INPUT_ENTRY, Entry, Liveness, Table
 from omniflow.runtime._ordering import StreamOrder
@@ -136,6 +136,9 @@ class CallCore:
         #: Gathering buckets by (node, group, key), and keys that already fired or died.
         self.buckets: dict[tuple[str, int, Entry], Bucket] = {}
         self._spent: dict[tuple[str, int, Entry], str] = {}
+        #: DEAD buckets whose input rules can still be broken by a straggler: frames seen per
+        #: plain or counted field (a second frame is an error even after the bucket died).
+        self._dead_seen: dict[tuple[str, int, Entry], dict[str, int]] = {}
         #: Buckets and ordering queues waiting on an entry's liveness.
         self._waiters: dict[Entry, set[Any]] = {}
         self._touched: list[Bucket] = []
@@ -295,7 +298,19 @@ class CallCore:
             if spent is not None:
                 if spent == "fired":
                     self._node_error(bspec.node, self._late_frame_message(bspec, f), field=f)
-                return  # a DEAD bucket ignores stragglers: its outputs are already ended
+                    return
+                # A DEAD bucket's outputs are already ended, but its input rules still hold:
+                # whether a call errs must not depend on when the bucket was found DEAD.
+                seen = self._dead_seen.get(bid)
+                if seen is not None:
+                    n = seen.get(f, 0)
+                    err = rule_error(bspec.by_field[f], n)
+                    if err is not None:
+                        del self._dead_seen[bid]
+                        self._node_error(bspec.node, err, field=f)
+                    else:
+                        seen[f] = n + 1
+                return
             prefix = table[: pos + 1]
             b = Bucket(bspec, key, prefix)
             b.seq = _seq_in(prefix, self.c)
@@ -516,12 +531,23 @@ class CallCore:
         else:
             assert verdict == DEAD
             self._kill_bucket(bid, b, payload)
+            self._keep_rules(bid, b)
 
     def _kill_bucket(self, bid: tuple[str, int, Entry], b: Bucket, reason: str) -> None:
         self._retire_bucket(bid, b, "dead")
         self._log("dead", node=bid[0], group=bid[1], key=bid[2], reason=reason)
         self.live.dec(b.table, bid[0])
         self.blive.dec(b.table, bid[0])
+
+    def _keep_rules(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
+        """Remember what a DEAD bucket saw, for the fields a straggler could still break."""
+        seen = {
+            fs.name: len(b.frames.get(fs.name, ()))
+            for fs in b.spec.fields
+            if fs.mode == "plain" or (fs.mode == "count" and fs.threshold is not None)
+        }
+        if seen:
+            self._dead_seen[bid] = seen
 
     def _retire_bucket(self, bid: tuple[str, int, Entry], b: Bucket, how: str) -> None:
         del self.buckets[bid]

@@ -1,0 +1,447 @@
+"""Stateful property tests of the pure scheduling structures, with no event loop.
+
+* ``CallCoreMachine`` plays the async shell against a real ``CallCore``: it starts a call,
+  delivers frames (random subsets of a node's outputs) for random running activations, finishes
+  them (normally, with an exception, cancelled) and cancels the call, in any interleaving
+  hypothesis finds, with ``core.validate()`` as the invariant after every step. At the end it
+  drains everything and the call must be finished with nothing left.
+* ``StreamOrderMachine`` pushes indices in random order into a ``StreamOrder`` and releases them
+  the way the core does; released indices never go down.
+* ``Bucket.evaluate`` against a small hand-written truth table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import omniflow as of
+from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec, FieldSpec
+from omniflow.runtime._compiled import Compiled, compile_plan
+from omniflow.runtime._core import Activation, CallCore
+from omniflow.runtime._ordering import StreamOrder
+
+from .conftest import load_graph_module
+
+# ------------------------------------------------------------------ plans
+
+
+class _Split(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["a", "b"])
+    async def run(self, request: Any) -> Any:
+        yield {"a": request}
+
+
+class _Left(of.Role):
+    @of.interface(inputs_or=[["a"]], outputs=["x"])
+    async def run(self, a: Any) -> Any:
+        return {"x": a}
+
+
+class _Right(of.Role):
+    @of.interface(inputs_or=[["a"]], outputs=["x", "y"], lb="session")
+    async def run(self, a: Any) -> Any:
+        yield {"x": a, "y": a}
+
+
+class _Merge(of.Role):
+    # x has two producers (a bucket rooted at split.run), collected; y is critical.
+    @of.interface(inputs_or=[["x", "y"]], outputs=["merged"], collect=["x"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"merged": (x, y)}
+
+
+class _Pick(of.Role):
+    # Two producers meeting frame by frame: a second frame is an input-rule error.
+    @of.interface(inputs_or=[["x"], ["b"]], outputs=["picked"])
+    async def run(self, x: Any = None, b: Any = None) -> Any:
+        return {"picked": x}
+
+
+class _Tally(of.Role):
+    # A single multi-yield producer collected whole (rooted at the call).
+    @of.interface(inputs_or=[["b"]], outputs=["tally"], collect=["b"])
+    async def run(self, b: Any) -> Any:
+        return {"tally": b}
+
+
+class _Join(of.Role):
+    @of.interface(inputs_or=[["y", "request"]], outputs=["joined"], activate_by_count={"y": 2})
+    async def run(self, y: Any, request: Any) -> Any:
+        return {"joined": y}
+
+
+MIXED = of.Graph(
+    "mixed",
+    roles={
+        "split": _Split(),
+        "left": _Left(),
+        "right": _Right(),
+        "merge": _Merge(),
+        "pick": _Pick(),
+        "tally": _Tally(),
+        "join": _Join(),
+    },
+    inputs=[of.Placeholder("request")],
+    outputs=["x", "merged", "picked", "tally", "joined"],
+)
+
+
+def _compiled() -> dict[str, Compiled]:
+    fig3 = load_graph_module("fig3").graph
+    return {
+        "fig3": compile_plan(of.parse(fig3)),
+        "mixed": compile_plan(of.parse(MIXED)),
+    }
+
+
+COMPILED = _compiled()
+
+
+def test_mixed_plan_has_the_shapes_the_machine_needs() -> None:
+    plan = COMPILED["mixed"].plan
+    assert plan.diamond_roots[("merge.run", 0)] == "split.run"
+    assert plan.diamond_roots[("tally.run", 0)] == "<input>"
+    assert ("pick.run", 0) in plan.buckets and ("pick.run", 1) not in plan.buckets
+    assert plan.seq_producers == {"split.run", "right.run"}
+
+
+# ------------------------------------------------------------------ CallCore
+
+
+class CallCoreMachine(RuleBasedStateMachine):
+    """The async shell, played by hypothesis. Rules carry no preconditions (a rule with
+    nothing to act on does nothing), so that hypothesis never gives up drawing one."""
+
+    @initialize(which=st.sampled_from(sorted(COMPILED)), payload=st.integers(0, 9))
+    def plan(self, which: str, payload: int) -> None:
+        self.c = COMPILED[which]
+        self.calls = 0
+        #: What the calls of this run did, for the statistics.
+        self.seen: Counter[str] = Counter()
+        self.core: CallCore | None = None
+        self.start(payload)
+
+    @rule(payload=st.integers(0, 9))
+    def start(self, payload: int) -> None:
+        """Start the next call once the current one has finished."""
+        if self.core is not None and not self.core.finished:
+            return
+        self.calls += 1
+        self.story: deque[tuple[Any, ...]] = deque()
+        self.core = CallCore(self.c, f"c{self.calls}", story=self.story)
+        #: Activations the shell runs (handed over by to_run, not done).
+        self.running: list[Activation] = []
+        #: Frames for the caller, in release order.
+        self.emitted: list[tuple[str, Any, str, int]] = []
+        self.core.start({p: payload for p in self.c.plan.inputs})
+        self._pump()
+
+    # -- the shell's side of every stimulus
+
+    def _pump(self) -> None:
+        core = self.core
+        assert core is not None
+        while core.to_run:
+            act = core.to_run.popleft()
+            assert act.state == 1, act  # RUNNING
+            self.running.append(act)
+        self.emitted.extend(core.emitted)
+        core.emitted = []
+        core.to_cancel.clear()  # the shell would cancel their tasks; they finish later
+        self.running = [a for a in self.running if a.state != 2]
+        if core.finished:
+            self.seen.update(ev for _cid, ev, _d in self.story)
+            self.story.clear()
+
+    def _value(self, act: Activation) -> tuple[Any, ...]:
+        """(stream, index) the caller should see the frame with; stream None for a session
+        node's stream, whose indices count the node's frames across activations."""
+        spec = self.c.specs[act.node]
+        if spec.lb == "session":
+            return (None, None, act.aid, act.yidx)
+        if spec.is_generator:
+            return ((act.node, act.aid), act.yidx, act.aid, act.yidx)
+        return ((act.seq[0], act.seq[1]), act.seq[2], act.aid, act.yidx)
+
+    # -- rules
+
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        """A running method returns (coroutine) or yields (generator) a frame."""
+        core = self.core
+        if core is None or not self.running:
+            return
+        act = data.draw(st.sampled_from(self.running), label="act")
+        outputs = list(self.c.specs[act.node].outputs)
+        if data.draw(st.booleans(), label="all outputs"):
+            fields = outputs
+        else:
+            fields = data.draw(st.lists(st.sampled_from(outputs), unique=True), label="fields")
+        frame: Any = {f: self._value(act) for f in fields}
+        if data.draw(st.integers(0, 19), label="bad") == 0:
+            frame = {"no_such_field": 1} if data.draw(st.booleans()) else "not a dict"
+        errors = len(core.errors)
+        ok = core.on_frame(act, frame)
+        if not ok:
+            # The shell stops a method whose frame was rejected (or whose call is closing).
+            assert core.closing or len(core.errors) == errors + 1
+            core.on_done(act)
+        elif not self.c.specs[act.node].is_generator:
+            core.on_done(act)  # a coroutine returns its one frame and is done
+        self._pump()
+
+    @rule(data=st.data(), how=st.sampled_from(["ok", "ok", "error", "cancelled"]))
+    def finish(self, data: st.DataObject, how: str) -> None:
+        """A running method ends: returns None, ends its stream, raises, or is cancelled."""
+        if self.core is None or not self.running:
+            return
+        act = data.draw(st.sampled_from(self.running), label="act")
+        exc: BaseException | None = None
+        if how == "error":
+            exc = RuntimeError("boom")
+        elif how == "cancelled":
+            exc = asyncio.CancelledError()
+        self.core.on_done(act, exc)
+        self._pump()
+
+    @rule(dice=st.integers(0, 5))
+    def cancel(self, dice: int) -> None:
+        """The caller cancels (rarely: a cancelled call ends soon and explores little)."""
+        if dice == 0 and self.core is not None and not self.core.finished:
+            self.core.cancel()
+            self._pump()
+
+    # -- invariants
+
+    @invariant()
+    def valid(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        core.validate()
+        assert core.n_acts >= len(self.running) or core.closing
+        if core.finished:
+            assert not self.running
+
+    @invariant()
+    def caller_frames_in_seq_order(self) -> None:
+        if self.core is None:
+            return
+        last: dict[tuple[Any, ...], int] = {}
+        outputs = set(self.c.plan.outputs)
+        for f, value, node, seq in self.emitted:
+            assert f in outputs and f in self.c.specs[node].outputs
+            stream, idx, _aid, _y = value
+            if stream is None:
+                stream = (node, "session")
+            else:
+                assert seq == idx, (f, value, node, seq)
+            key = (f, *stream)
+            assert seq >= last.get(key, -1), f"{f} of {stream}: seq {seq} after {last[key]}"
+            last[key] = seq
+
+    def teardown(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        for _ in range(10_000):
+            if not self.running:
+                break
+            core.on_done(self.running[0])
+            self._pump()
+            core.validate()
+        assert core.finished, (core.n_acts, core.buckets, core.live.counts)
+        assert not core.buckets and core.n_acts == 0 and not core.live.counts
+        assert not core.to_run and not core.running
+        event(f"calls: {min(self.calls, 4)}{'+' if self.calls >= 4 else ''}")
+        for ev in ("fire", "dead", "error", "cancel"):
+            n = self.seen[ev]
+            event(f"{ev}: {min(n, 3)}{'+' if n >= 3 else ''}")
+
+
+TestCallCore = CallCoreMachine.TestCase
+TestCallCore.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# ------------------------------------------------------------------ StreamOrder
+
+
+class StreamOrderMachine(RuleBasedStateMachine):
+    """Items arrive in any order; the owner releases index ``exp`` and advances once every
+    item of that index has arrived (its index has *settled*)."""
+
+    @initialize(
+        schedule=st.lists(st.integers(0, 5), min_size=1, max_size=20).flatmap(st.permutations)
+    )
+    def setup(self, schedule: list[int]) -> None:
+        self.so = StreamOrder("gen.run", 7)
+        #: Items still to push, in arrival order: (index, tag).
+        self.todo = [(idx, n) for n, idx in enumerate(schedule)]
+        self.all = list(self.todo)
+        self.released: list[tuple[int, int]] = []
+
+    def _settled(self, idx: int) -> bool:
+        return all(i != idx for i, _n in self.todo)
+
+    @precondition(lambda self: self.todo)
+    @rule(data=st.data())
+    def push(self, data: st.DataObject) -> None:
+        k = data.draw(st.integers(0, min(2, len(self.todo) - 1)), label="which")
+        idx, n = self.todo.pop(k)
+        self.so.push(idx, (idx, n))
+
+    @rule()
+    def take(self) -> None:
+        exp = self.so.exp
+        for item in self.so.take_current():
+            assert item[0] == exp
+            self.released.append(item)
+
+    @rule()
+    def pop_one(self) -> None:
+        item = self.so.pop_current()
+        if item is not None:
+            assert item[0] == self.so.exp
+            self.released.append(item)
+
+    @precondition(lambda self: self._settled(self.so.exp) and self.so.exp not in self.so.pending)
+    @rule()
+    def advance(self) -> None:
+        self.so.advance()
+
+    @precondition(lambda self: self.so.exp > 0)
+    @rule()
+    def late_push_is_refused(self) -> None:
+        with pytest.raises(AssertionError, match="arrived after"):
+            self.so.push(self.so.exp - 1, "late")
+
+    @invariant()
+    def valid(self) -> None:
+        self.so.validate()
+        idxs = [i for i, _n in self.released]
+        assert idxs == sorted(idxs)
+        assert self.so.entry() == ("gen.run", 7, self.so.exp)
+
+    def teardown(self) -> None:
+        while self.todo:
+            idx, n = self.todo.pop(0)
+            self.so.push(idx, (idx, n))
+        while self.so.pending:
+            self.released.extend(self.so.take_current())
+            self.so.advance()
+        # Every item released once, by index, in arrival order within an index.
+        assert sorted(self.released) == sorted(self.all)
+        assert [i for i, _n in self.released] == sorted(i for i, _n in self.all)
+
+
+TestStreamOrder = StreamOrderMachine.TestCase
+TestStreamOrder.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+# ------------------------------------------------------------------ Bucket.evaluate
+
+
+def _spec(*fields: tuple[str, tuple[str, ...], str, int | None]) -> BucketSpec:
+    """Fields as (name, sources, mode, threshold); a single source makes a slot critical,
+    except for count fields."""
+    fs = tuple(
+        FieldSpec(name, srcs, mode, thr, len(srcs) == 1 and mode != "count")
+        for name, srcs, mode, thr in fields
+    )
+    return BucketSpec(
+        node="n.run",
+        group=0,
+        root="r.run",
+        fields=fs,
+        by_field={f.name: f for f in fs},
+        feeders={s: frozenset({s}) for f in fs for s in f.sources},
+        is_join=any(f.mode == "count" for f in fs),
+    )
+
+
+PLAIN_A = ("x", ("A",), "plain", None)
+PLAIN_AB = ("x", ("A", "B"), "plain", None)
+PLAIN_C = ("y", ("C",), "plain", None)
+COLLECT_A = ("c", ("A",), "collect", None)
+COLLECT_AB = ("c", ("A", "B"), "collect", None)
+COUNT_ALL = ("t", ("A",), "count", None)
+COUNT_2 = ("t", ("A", "B"), "count", 2)
+
+#: (fields, arrivals as (field, value, sort key), ended sources, verdict, kwargs or reason).
+TRUTH: list[tuple[Any, ...]] = [
+    # plain, critical (one source)
+    ((PLAIN_A,), [], "", WAIT, None),
+    ((PLAIN_A,), [], "A", DEAD, "critical input 'x'"),
+    ((PLAIN_A,), [("x", 1, 0)], "", FIRE, {"x": 1}),  # nobody else can deliver: fire at once
+    # plain, two sources: wait until the other path has settled (a second frame is an error)
+    ((PLAIN_AB,), [("x", 1, 0)], "A", WAIT, None),
+    ((PLAIN_AB,), [("x", 1, 0)], "AB", FIRE, {"x": 1}),
+    ((PLAIN_AB, PLAIN_C), [("y", 2, 0)], "ABC", FIRE, {"x": None, "y": 2}),
+    ((PLAIN_AB,), [], "AB", DEAD, "every input ended without a frame"),
+    ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "AB", WAIT, None),
+    ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "ABC", DEAD, "critical input 'y'"),
+    # collect: all frames in production order (sort key), after every source ended
+    ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "", WAIT, None),
+    ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "A", FIRE, {"c": ["a", "b"]}),
+    ((COLLECT_A,), [], "A", DEAD, "collected input 'c' ended with no frame"),
+    ((COLLECT_AB, PLAIN_C), [("y", 2, 0)], "ABC", FIRE, {"c": [], "y": 2}),
+    ((COLLECT_AB, PLAIN_C), [("c", 5, 0), ("y", 2, 0)], "AC", WAIT, None),
+    # count ALL: every frame once the streams ended, possibly none, never DEAD on its own
+    ((COUNT_ALL,), [("t", 1, (0,))], "", WAIT, None),
+    ((COUNT_ALL, PLAIN_C), [("y", 2, 0)], "AC", FIRE, {"t": [], "y": 2}),
+    ((COUNT_ALL,), [("t", 2, (1,)), ("t", 1, (0,))], "A", FIRE, {"t": [1, 2]}),
+    ((COUNT_ALL,), [], "A", DEAD, "every input ended without a frame"),
+    # count n: fires at n frames without waiting; fewer once the streams ended
+    ((COUNT_2,), [("t", 1, (0,))], "A", WAIT, None),
+    ((COUNT_2,), [("t", 2, (1,)), ("t", 1, (0,))], "", FIRE, {"t": [1, 2]}),
+    ((COUNT_2,), [("t", 1, (0,))], "AB", FIRE, {"t": [1]}),
+    ((COUNT_2, PLAIN_C), [("t", 1, (0,)), ("t", 2, (1,))], "", WAIT, None),
+]
+
+
+@pytest.mark.parametrize(("fields", "arrivals", "ended", "verdict", "expect"), TRUTH)
+def test_bucket_evaluate_truth_table(
+    fields: Any, arrivals: Any, ended: str, verdict: str, expect: Any
+) -> None:
+    b = Bucket(_spec(*fields), ("r.run", 1, 0), (("<input>", 0, 0), ("r.run", 1, 0)))
+    for f, value, key in arrivals:
+        assert b.add(f, value, key) is None
+    got, payload = b.evaluate(lambda src: src in ended)
+    assert got == verdict
+    if verdict == FIRE:
+        assert payload == expect
+    elif verdict == DEAD:
+        assert expect in payload
+    else:
+        assert payload is None
+
+
+def test_bucket_add_refuses_frames_that_break_the_input_rules() -> None:
+    b = Bucket(_spec(PLAIN_AB, COUNT_2), ("r.run", 1, 0), (("<input>", 0, 0),))
+    assert b.add("x", 1, 0) is None
+    err = b.add("x", 2, 1)
+    assert err is not None and "'x'" in err and "collect=['x']" in err
+    assert b.add("t", 1, 0) is None and b.add("t", 2, 1) is None
+    err = b.add("t", 3, 2)
+    assert err is not None and "activate_by_count=2" in err and "ALL" in err
+    # A refused frame is not stored.
+    assert b.arrivals == 3
+    assert b.evaluate(lambda _s: True) == (FIRE, {"x": 1, "t": [1, 2]})
