@@ -99,7 +99,7 @@ def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
 class Bucket:
     """Frames gathered for one activation of a convergence node."""
 
-    __slots__ = ("arrivals", "frames", "key", "seq", "spec", "table")
+    __slots__ = ("arrivals", "frames", "key", "refs", "seq", "spec", "table")
 
     def __init__(self, spec: BucketSpec, key: Entry, table: Table) -> None:
         #: Static facts.
@@ -114,6 +114,8 @@ class Bucket:
         self.arrivals = 0
         #: Seq entry (nearest stream) of the first frame; the activation inherits it.
         self.seq: Entry | None = None
+        #: Data-plane refs among its frames (held until it fires, then by its activation).
+        self.refs: list[Any] = []
 
     def add(self, fld: str, value: Any, sort_key: Any) -> str | None:
         """Store a frame; return an error message when the frame breaks the field's rule."""

@@ -27,6 +27,7 @@ from collections import deque
 from typing import Any
 
 from omniflow._exceptions import NodeError
+from omniflow.data._plane import DataRef
 from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec, rule_error
 from omniflow.runtime._compiled import Compiled
 from omniflow.runtime._liveness import INPUT_ENTRY, Entry, Liveness, Table
@@ -49,6 +50,7 @@ class Activation:
         "group",
         "kwargs",
         "node",
+        "refs",
         "seq",
         "state",
         "t0",
@@ -82,6 +84,8 @@ class Activation:
         self.task: Any = None
         #: When the method started (set by the shell only while metrics are on).
         self.t0 = 0.0
+        #: Data-plane refs among its inputs (each held until the activation ends).
+        self.refs: list[DataRef] | None = None
 
     def __repr__(self) -> str:
         return f"<Activation {self.node}#{self.aid} g{self.group} seq={self.seq}>"
@@ -121,6 +125,10 @@ class CallCore:
         self.to_cancel: list[Activation] = []
         #: Frames for the caller, in release order.
         self.emitted: list[Emit] = []
+        #: Data-plane refs whose last holder finished: the shell tells their owner.
+        self.to_release: list[DataRef] = []
+        #: Consumer edges (activations, buckets) holding each data-plane ref.
+        self.refcounts: dict[DataRef, int] = {}
         #: Errors of the call (kind "error" or "cancel").
         self.errors: list[NodeError] = []
         self.finished = False
@@ -218,6 +226,8 @@ class CallCore:
         node = act.node
         self.n_acts -= 1
         self.live.dec(act.table, node)
+        if act.refs:
+            self._let_go(act.refs)
         if exc is not None:
             self._record_exc(act, exc)
         c = self.c
@@ -266,15 +276,21 @@ class CallCore:
             self._running_per_node[act.node] -= 1
         self.n_acts -= 1
         self.live.dec(act.table, act.node)
+        self._let_go(act.refs)
 
     # ------------------------------------------------------------------ routing
 
     def _dispatch(self, src: str, f: str, value: Any, table: Table, seq: Entry) -> None:
         routes = self.c.routes.get((src, f))
         if routes:
+            is_ref = type(value) is DataRef
             for dst, g, bspec in routes:
                 if bspec is None:
-                    self._admit(Activation(next(self._aids), dst, g, {f: value}, table, seq))
+                    act = Activation(next(self._aids), dst, g, {f: value}, table, seq)
+                    if is_ref:
+                        act.refs = [value]
+                        self._hold(value)
+                    self._admit(act)
                 else:
                     self._arrive(bspec, src, f, value, table, seq)
         if src in self.c.to_caller and f in self.c.to_caller[src]:
@@ -320,6 +336,9 @@ class CallCore:
             self._watch(key, b)
             self._log("bucket", node=bspec.node, group=bspec.group, key=key)
         err = b.add(f, value, (table[len(b.table) :], b.arrivals))
+        if type(value) is DataRef and err is None:
+            b.refs.append(value)
+            self._hold(value)
         if err is not None:
             self._node_error(bspec.node, err, field=f)
             self._kill_bucket(bid, b, "input rule broken")
@@ -343,6 +362,7 @@ class CallCore:
     def _admit(self, act: Activation) -> None:
         node = act.node
         if self.closing:
+            self._let_go(act.refs)
             return
         if node in self.c.cycle_nodes:
             n = self._iterations.get(node, 0) + 1
@@ -354,6 +374,7 @@ class CallCore:
                     f"exceeded max_iterations={limit} activations in one call (it lies on a "
                     "cycle); make the loop terminate sooner or raise Graph(max_iterations=...)",
                 )
+                self._let_go(act.refs)
                 self.cancel(kind="error", reason=f"{node} exceeded max_iterations")
                 return
         self.n_acts += 1
@@ -525,7 +546,9 @@ class CallCore:
             self._retire_bucket(bid, b, "fired")
             self._log("fire", node=node, group=spec.group, key=key)
             seq = b.seq if b.seq is not None else INPUT_ENTRY
-            self._admit(Activation(next(self._aids), node, spec.group, payload, b.table, seq))
+            act = Activation(next(self._aids), node, spec.group, payload, b.table, seq)
+            act.refs = b.refs or None  # the bucket's holds pass to its activation
+            self._admit(act)
             live.dec(b.table, node)
             self.blive.dec(b.table, node)
         else:
@@ -538,6 +561,7 @@ class CallCore:
         self._log("dead", node=bid[0], group=bid[1], key=bid[2], reason=reason)
         self.live.dec(b.table, bid[0])
         self.blive.dec(b.table, bid[0])
+        self._let_go(b.refs)
 
     def _keep_rules(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
         """Remember what a DEAD bucket saw, for the fields a straggler could still break."""
@@ -563,11 +587,29 @@ class CallCore:
         self._retire_bucket(bid, b, "dead")
         self.live.dec(b.table, bid[0])
         self.blive.dec(b.table, bid[0])
+        self._let_go(b.refs)
+
+    def _hold(self, ref: DataRef) -> None:
+        self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
+
+    def _let_go(self, refs: list[DataRef] | None) -> None:
+        """Consumer edges finished with ``refs``; the last one out releases the block."""
+        if not refs:
+            return
+        counts = self.refcounts
+        for ref in refs:
+            n = counts[ref] - 1
+            if n:
+                counts[ref] = n
+            else:
+                del counts[ref]
+                self.to_release.append(ref)
 
     def _drop_pending(self, act: Activation) -> None:
         act.state = DONE
         self.n_acts -= 1
         self.live.dec(act.table, act.node)
+        self._let_go(act.refs)
 
     def _maybe_finish(self) -> None:
         if self.finished:
@@ -581,7 +623,9 @@ class CallCore:
             if verdict == FIRE:
                 self._retire_bucket(bid, b, "fired")
                 seq = b.seq if b.seq is not None else INPUT_ENTRY
-                self._admit(Activation(next(self._aids), bid[0], bid[1], payload, b.table, seq))
+                act = Activation(next(self._aids), bid[0], bid[1], payload, b.table, seq)
+                act.refs = b.refs or None
+                self._admit(act)
                 self.live.dec(b.table, bid[0])
                 self.blive.dec(b.table, bid[0])
                 self._settle()
@@ -669,6 +713,14 @@ class CallCore:
                 raise AssertionError(f"bucket {node}/{b.key} gathers but nobody wakes it")
         self.live.validate(work)
         self.blive.validate((b.table, node) for (node, _g, _k), b in self.buckets.items())
+        held: dict[DataRef, int] = {}
+        holders: list[list[DataRef] | None] = [a.refs for a in acts]
+        holders.extend(b.refs for b in self.buckets.values())
+        for refs in holders:
+            for ref in refs or ():
+                held[ref] = held.get(ref, 0) + 1
+        if held != self.refcounts:
+            raise AssertionError(f"data-plane refcounts drifted: {self.refcounts} vs {held}")
         if len(acts) != self.n_acts:
             raise AssertionError(f"n_acts={self.n_acts} but {len(acts)} activations are known")
         for bid in self.buckets:

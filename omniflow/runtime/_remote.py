@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import NodeError, OmniflowError, RuntimeClosedError, TransportError
+from omniflow.data._plane import DataPlane, DataRef
 from omniflow.runtime._protocol import decode_msg, encode_msg
 from omniflow.transport import connect
 
@@ -183,8 +184,19 @@ class RemoteRoles:
         on_done: OnDone,
         heartbeat_interval: float = 1.0,
         start_timeout: float = 60.0,
+        plane: DataPlane | None = None,
+        offload: dict[tuple[str, str], list[str]] | None = None,
+        connectors: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.processes = processes
+        #: The front's data plane (inputs it produced for remote methods go through its pool).
+        self.plane = plane
+        #: (graph, node) -> outputs a worker puts in its data plane (never the caller's fields).
+        self._offload = offload or {}
+        #: node -> {source node: connector} for edges configured away from "auto".
+        self._connectors = connectors or {}
+        #: (call id, aid) -> refs the front put in its own pool for that remote activation.
+        self._front_refs: dict[tuple[str, int], list[DataRef]] = {}
         self.registry_url = registry
         self.heartbeat_interval = heartbeat_interval
         self.start_timeout = start_timeout
@@ -315,16 +327,25 @@ class RemoteRoles:
         key = (call.call_id, act.aid)
         self._pending[key] = _Pending(call, core, act, list(targets))
         act.task = _RemoteHandle(self, key)
+        kwargs = act.kwargs
+        if self.plane is not None and all(r.address.startswith("ipc://") for r in targets):
+            kwargs = self._offload_inputs(key, act.node, kwargs)
         body = {
             "c": call.call_id,
             "a": act.aid,
             "n": act.node,
-            "k": act.kwargs,
+            "k": kwargs,
             "s": call.session,
             "g": act.group,
             "q": act.seq[2],
             "gr": call.graph,
         }
+        off = self._offload.get((call.graph, act.node))
+        if off:
+            body["off"] = off
+        conn = self._connectors.get(act.node)
+        if conn:
+            body["conn"] = conn
         try:
             frames = encode_msg("run", body)
         except Exception as exc:
@@ -365,8 +386,32 @@ class RemoteRoles:
             winner = await self._registry.pin_affinity(session, role, rep.replica_id, replace=old)
             self._affinity[(session, role)] = winner
 
+    def _offload_inputs(
+        self, key: tuple[str, int], node: str, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Big inputs the front itself produced go to the worker through the front's pool."""
+        assert self.plane is not None
+        out = self.plane.offload(
+            f"<front>->{node}", key[0], key[1], 0, kwargs,
+            [f for f, v in kwargs.items() if type(v) is not DataRef],
+        )  # fmt: skip
+        if out is not kwargs:
+            self._front_refs[key] = [out[f] for f in out if out[f] is not kwargs[f]]
+        return out
+
+    def release(self, refs: list[DataRef]) -> None:
+        """The last consumer edge of each ref finished: tell the owner to free the block."""
+        by_owner: dict[str, list[DataRef]] = {}
+        for ref in refs:
+            by_owner.setdefault(ref.source, []).append(ref)
+        for source, owned in by_owner.items():
+            for rep in self._replicas.values():
+                if rep.alive and rep.address == source:
+                    rep.out.put_nowait(encode_msg("release", {"refs": owned}))
+                    break
+
     def end_call(self, call_id: str) -> None:
-        """Let the workers drop the session-less GlobalParameters of a finished call."""
+        """Let the workers drop what a finished call left: params and data-plane blocks."""
         reps = self._call_replicas.pop(call_id, None)
         if reps:
             frames = encode_msg("end_call", {"c": call_id})
@@ -418,7 +463,10 @@ class RemoteRoles:
             if kind == "frame":
                 p = self._pending.get((body["c"], body["a"]))
                 if p is not None:
-                    self._on_frame(p.call, p.core, p.act, body["f"])
+                    frame = body["f"]
+                    if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
+                        self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
+                    self._on_frame(p.call, p.core, p.act, frame)
             elif kind == "done":
                 self._replica_done(rep, (body["c"], body["a"]), body["e"])
             elif kind == "ready" and rep.ready is not None and not rep.ready.done():
@@ -446,6 +494,10 @@ class RemoteRoles:
                 )
         if not p.replicas:
             del self._pending[key]
+            front_refs = self._front_refs.pop(key, None)
+            if front_refs and self.plane is not None:
+                for ref in front_refs:
+                    self.plane.release(ref)
             self._on_done(p.call, p.core, p.act, p.error)
 
     async def _reap(self, rep: _Replica) -> None:
@@ -531,3 +583,79 @@ class RemoteRoles:
             "replicas": sum(1 for r in self._replicas.values() if r.alive),
             "remote_inflight": len(self._pending),
         }
+
+
+def resolve_connectors(
+    plans: dict[str, Any],
+    config: dict[Any, str] | None,
+    remote_roles: frozenset[str],
+    processes: list[ProcessSpec],
+) -> dict[str, dict[str, str]]:
+    """Per-edge connector choice, checked now: ``{dst node: {src node: connector}}``.
+
+    ``config`` maps ``(src, dst)`` (or ``"src->dst"``) to one of CONNECTORS, plus an optional
+    ``"default"``. An edge that its connector cannot carry is a GraphError: ``inproc`` needs
+    both ends in one process (the front, or a process group with a single replica).
+    """
+    from omniflow._exceptions import GraphError
+    from omniflow.data._plane import CONNECTORS
+
+    if not config:
+        return {}
+    home: dict[str, str | None] = {}
+    for spec in processes:
+        for role in spec.roles:
+            home[role] = spec.name if spec.replicas == 1 else None
+    roles_of: dict[str, str] = {}
+    edges: set[tuple[str, str]] = set()
+    for plan in plans.values():
+        for n, s in plan.specs.items():
+            roles_of[n] = s.role
+        edges.update((src, dst) for src, _f, dst, _g in plan.edges if src != "<input>")
+
+    def place(node: str) -> str | None:
+        role = roles_of[node]
+        return home[role] if role in remote_roles else "<front>"
+
+    def check(src: str, dst: str, conn: str) -> None:
+        if conn not in CONNECTORS:
+            raise GraphError(
+                f"connector {conn!r} for edge {src} -> {dst} is unknown; use one of {CONNECTORS}",
+                node=dst,
+            )
+        if conn == "inproc" and (place(src) is None or place(src) != place(dst)):
+            raise GraphError(
+                f"edge {src} -> {dst} crosses processes (placement puts them in different or "
+                "replicated processes), so connector 'inproc' cannot carry it; use 'shm' "
+                "(same host) or 'zmq'",
+                node=dst,
+            )
+
+    out: dict[str, dict[str, str]] = {}
+    default = config.get("default", "auto")
+    explicit: dict[tuple[str, str], str] = {}
+    for key, conn in config.items():
+        if key == "default":
+            continue
+        if isinstance(key, str) and "->" in key:
+            src, dst = (part.strip() for part in key.split("->", 1))
+        elif isinstance(key, tuple) and len(key) == 2:
+            src, dst = key
+        else:
+            raise GraphError(
+                f"connectors key {key!r} is not an edge; write ('src.node', 'dst.node') or "
+                "'src.node->dst.node'"
+            )
+        if (src, dst) not in edges:
+            raise GraphError(
+                f"connectors names edge {src} -> {dst}, which no graph of this runtime has",
+                node=dst,
+            )
+        explicit[(src, dst)] = conn
+    for src, dst in sorted(edges):
+        conn = explicit.get((src, dst), default)
+        if conn == "auto":
+            continue
+        check(src, dst, conn)
+        out.setdefault(dst, {})[src] = conn
+    return out

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Generator
@@ -27,6 +28,7 @@ from omniflow._exceptions import (
     OmniflowError,
     RuntimeClosedError,
 )
+from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane, DataRef
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters, Graph, RoleRef
 from omniflow.plan._parser import parse_graphs
@@ -35,7 +37,7 @@ from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._metrics import RuntimeMetrics
-from omniflow.runtime._remote import RemoteRoles, plan_processes
+from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
 
 __all__ = ["Runtime", "RuntimeState"]
 
@@ -140,6 +142,8 @@ class Runtime:
         story_size: int = 10_000,
         validate: bool = False,
         metrics: bool = False,
+        connectors: dict[Any, str] | None = None,
+        data_threshold: int = DEFAULT_THRESHOLD,
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
@@ -154,15 +158,30 @@ class Runtime:
             raise OmniflowError(
                 "registry=... needs a multi-process placement (placement='process' or Deploy)"
             )
+        remote_roles = frozenset(r for p in processes for r in p.roles)
+        edge_conns = resolve_connectors(self.plans, connectors, remote_roles, processes)
+        #: This process's data plane (None when every role runs here: objects pass as is).
+        self.plane: DataPlane | None = DataPlane(threshold=data_threshold) if processes else None
+        offload = {
+            (gname, n): sorted(set(s.outputs) - set(p.outputs))
+            for gname, p in self.plans.items()
+            for n, s in p.specs.items()
+            if s.role in remote_roles and set(s.outputs) - set(p.outputs)
+        }
         #: Worker processes and their replicas (None for in-process placement).
         self.remote: RemoteRoles | None = (
             RemoteRoles(
-                processes, registry=registry, on_frame=self._remote_frame, on_done=self._remote_done
+                processes,
+                registry=registry,
+                on_frame=self._remote_frame,
+                on_done=self._remote_done,
+                plane=self.plane,
+                offload=offload,
+                connectors=edge_conns,
             )
             if processes
             else None
         )
-        remote_roles = self.remote.roles if self.remote is not None else frozenset()
         self._remote_nodes = frozenset(
             n for p in self.plans.values() for n, s in p.specs.items() if s.role in remote_roles
         )
@@ -233,6 +252,8 @@ class Runtime:
             await call._done.wait()
         if self.remote is not None:
             await self.remote.close()
+        if self.plane is not None:
+            self.plane.close()
         errors: list[BaseException] = []
         for role in reversed(self._set_up):
             teardown = getattr(role, "teardown", None)
@@ -317,11 +338,23 @@ class Runtime:
             if core is not None:
                 buckets += len(core.buckets)
                 inflight += core.n_acts
+        held = 0
+        for call in self._calls.values():
+            if call.core is not None and call.core.refcounts:
+                held += sum(ref.nbytes for ref in call.core.refcounts)
         return {
             "open_buckets": buckets,
             "inflight": inflight,
             "active_calls": len(self._calls),
+            "data_plane_bytes": held,
         }
+
+    def data_plane_stats(self) -> dict[str, int]:
+        """This process's buffer pool (all zeros while no role runs in a worker process)."""
+        if self.plane is None:
+            return {"pool_capacity_bytes": 0, "pool_used_bytes": 0, "pool_live_blocks": 0,
+                    "pool_fallbacks": 0}  # fmt: skip
+        return self.plane.statistics()
 
     def sessions(self) -> list[str]:
         """Sessions whose GlobalParameters are held (until ``close_session``)."""
@@ -374,9 +407,14 @@ class Runtime:
         run = core.to_run
         while run:
             self._launch(call, core, run.popleft())
+        if core.to_release:
+            self._release(core.to_release)
+            core.to_release = []
         if core.emitted:
             frames = core.emitted
             core.emitted = []
+            if self.plane is not None:
+                frames = [self._materialize(f) for f in frames]
             call._push(frames)
             if self.metrics is not None:
                 out = self.metrics.frames_out
@@ -400,6 +438,8 @@ class Runtime:
         if act.node in self._remote_nodes:
             assert self.remote is not None
             self.remote.submit(call, core, act)
+            return
+        if act.refs and not self._resolve_inputs(call, core, act):
             return
         method = core.c.methods[act.node]
         token = _current.set(_Handle(call, act, self._call_params[call.call_id]))
@@ -496,6 +536,38 @@ class Runtime:
         self._done(call, core, act, exc)
         self._pump(call)
 
+    def _release(self, refs: list[DataRef]) -> None:
+        mine = [r for r in refs if r.source == "" and r.pid == os.getpid()]
+        if self.plane is not None:
+            for ref in mine:
+                self.plane.release(ref)
+        if self.remote is not None and len(mine) < len(refs):
+            self.remote.release([r for r in refs if r.source != ""])
+
+    def _materialize(self, frame: tuple[str, Any, str, int]) -> tuple[str, Any, str, int]:
+        """A frame for the caller must outlive the call: copy a data-plane value out."""
+        value = frame[1]
+        if type(value) is DataRef and self.plane is not None:
+            try:
+                value = self.plane.read_now(value, copy=True)
+            except OmniflowError as exc:
+                value = f"<data-plane value lost: {exc}>"
+            return (frame[0], value, frame[2], frame[3])
+        return frame
+
+    def _resolve_inputs(self, call: Call, core: CallCore, act: Activation) -> bool:
+        """Swap data-plane refs in a local activation's inputs for their values (zero-copy
+        views where the producer is on this host). False: the activation already failed."""
+        plane = self.plane
+        if plane is None:
+            return True
+        try:
+            act.kwargs = {f: _read_refs(plane, v) for f, v in act.kwargs.items()}
+        except OmniflowError as exc:
+            self._done(call, core, act, exc)
+            return False
+        return True
+
     def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -518,6 +590,8 @@ class Runtime:
         self._call_params.pop(call.call_id, None)
         if self.remote is not None:
             self.remote.end_call(call.call_id)
+        if self.plane is not None:
+            self.plane.cleanup(call.call_id)
         if core is not None:
             if core.emitted:
                 call._push(core.emitted)
@@ -539,3 +613,12 @@ class Runtime:
                         self._loop.call_soon(self._start_call, nxt)
                 else:
                     del self._queues[call.session]
+
+
+def _read_refs(plane: DataPlane, value: Any) -> Any:
+    if type(value) is DataRef:
+        return plane.read_now(value)
+    if type(value) is list or type(value) is tuple:
+        items = [plane.read_now(v) if type(v) is DataRef else v for v in value]
+        return items if type(value) is list else tuple(items)
+    return value

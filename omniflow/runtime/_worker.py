@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
+from omniflow.data._plane import DataPlane, DataRef, PullClient, refs_in
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import load_graphs, parse_graphs
@@ -80,6 +82,12 @@ class Worker:
         self._running: dict[_Key, Any] = {}
         self._out: asyncio.Queue[tuple[bytes | None, list[Any]] | None] = asyncio.Queue()
         self._stop = asyncio.Event()
+        #: Fields each running activation offloads to the data plane.
+        self._offload: dict[_Key, Any] = {}
+        self._payloads = itertools.count()
+        self._puller = PullClient()
+        #: This process's data plane (its pool is created on first offload).
+        self.plane = DataPlane(pull=self._puller.pull)
 
     def _load(self) -> None:
         graphs = []
@@ -114,6 +122,7 @@ class Worker:
         for role in self._roles:
             await role.setup()
         endpoint = bind(self.address)
+        self.plane.shm.source = endpoint.url
         registry = None
         try:
             if self.registry_url:
@@ -148,6 +157,8 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await registry.close()
             endpoint.close()
+            self._puller.close()
+            self.plane.close()
             for role in reversed(self._roles):
                 try:
                     await role.teardown()
@@ -195,6 +206,16 @@ class Worker:
             )
         elif kind == "end_call":
             self._call_params.pop(body["c"], None)
+            self.plane.cleanup(body["c"])
+        elif kind == "release":
+            for ref in body["refs"]:
+                self.plane.release(ref)
+        elif kind == "pull":
+            try:
+                data: Any = self.plane.serve_pull(body["h"])
+                self._send(peer, "pulled", {"r": body["r"], "data": data})
+            except Exception as exc:
+                self._send(peer, "pull_failed", {"r": body["r"], "error": str(exc)})
         elif kind == "close_session":
             self._session_params.pop(body["s"], None)
         elif kind == "stop":
@@ -211,7 +232,60 @@ class Worker:
         return p
 
     def _start(self, peer: bytes | None, body: dict[str, Any]) -> None:
+        """Resolve data-plane refs among the inputs (waiting only for pulls), then run."""
+        kwargs = body["k"]
+        refs = [r for v in kwargs.values() for r in refs_in(v)]
+        if refs:
+            conn = body.get("conn") or {}
+            key = (peer, body["c"], body["a"])
+            if any(self.plane.needs_pull(r, conn.get(r.key[0], "auto")) for r in refs):
+                task = asyncio.get_running_loop().create_task(self._pull_then_run(peer, body))
+                self._running[key] = task
+                return
+            try:
+                body["k"] = {f: self._resolve_now(v, conn) for f, v in kwargs.items()}
+            except Exception as exc:
+                self._done(peer, body["c"], body["a"], exc)
+                return
+        self._run(peer, body)
+
+    def _resolve_now(self, value: Any, conn: dict[str, str]) -> Any:
+        refs = refs_in(value)
+        if not refs:
+            return value
+        if type(value) is list or type(value) is tuple:
+            out = [
+                self.plane.read_now(v, conn.get(v.key[0], "auto")) if v in refs else v
+                for v in value
+            ]
+            return out if type(value) is list else tuple(out)
+        return self.plane.read_now(value, conn.get(value.key[0], "auto"))
+
+    async def _pull_then_run(self, peer: bytes | None, body: dict[str, Any]) -> None:
+        key = (peer, body["c"], body["a"])
+        conn = body.get("conn") or {}
+        try:
+            body["k"] = {f: await self._resolve(v, conn) for f, v in body["k"].items()}
+        except BaseException as exc:
+            self._running.pop(key, None)
+            self._done(peer, body["c"], body["a"], exc)
+            return
+        self._running.pop(key, None)
+        self._run(peer, body)
+
+    async def _resolve(self, value: Any, conn: dict[str, str]) -> Any:
+        if type(value) is DataRef:
+            return await self.plane.get(value, conn.get(value.key[0], "auto"))
+        if type(value) is list or type(value) is tuple:
+            items = [await self._resolve(x, conn) for x in value]
+            return items if type(value) is list else tuple(items)
+        return value
+
+    def _run(self, peer: bytes | None, body: dict[str, Any]) -> None:
         c, a, node = body["c"], body["a"], body["n"]
+        off = body.get("off")
+        if off:
+            self._offload[(peer, c, a)] = (node, off)
         method = self._methods.get(node)
         if method is None:
             self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
@@ -295,12 +369,19 @@ class Worker:
         self._done(peer, c, a, exc)
 
     def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
+        off = self._offload.get((peer, c, a))
+        if off is not None and isinstance(frame, dict):
+            try:
+                frame = self.plane.offload(off[0], c, a, next(self._payloads), frame, off[1])
+            except Exception as exc:
+                raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
         try:
             self._send(peer, "frame", {"c": c, "a": a, "f": frame})
         except Exception as exc:  # a value the wire cannot carry fails the activation
             raise _Unsendable(f"a frame could not be sent to the front: {exc}") from exc
 
     def _done(self, peer: bytes | None, c: str, a: int, exc: BaseException | None) -> None:
+        self._offload.pop((peer, c, a), None)
         err = None
         if exc is not None:
             err = {

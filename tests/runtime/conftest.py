@@ -13,7 +13,7 @@ import omniflow as of
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 
-ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0}
+ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
 
 
 def load_graph_module(name: str) -> ModuleType:

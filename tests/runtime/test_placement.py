@@ -27,7 +27,7 @@ from . import scenario_graphs as sg
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 
-ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0}
+ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
 
 
 @pytest.fixture(params=["inproc", "process"])
@@ -340,7 +340,7 @@ async def test_explicit_cancel_mid_bucket_leaves_nothing(runtime: Factory, tmp_p
     marker = tmp_path / "cx_slow.cancelled"
     rt = await runtime(sg.cx)
     call = rt.call("sc_cx", {"req": {"x": 1, "marker": str(marker)}})
-    mid_bucket = {"open_buckets": 1, "inflight": 1, "active_calls": 1}
+    mid_bucket = {"open_buckets": 1, "inflight": 1, "active_calls": 1, "data_plane_bytes": 0}
     await eventually(lambda: rt.stats() == mid_bucket, f"stats {mid_bucket}")
     await asyncio.sleep(0.05)
     assert rt.stats() == mid_bucket  # and it stays there: cx_slow is sleeping

@@ -1,0 +1,436 @@
+"""Connectors and the per-process data plane: big values leave the control messages.
+
+A frame value at or above ``threshold`` bytes (a numpy array, a torch tensor, bytes) is put
+into the producing process's ``SharedBufferPool`` under the call as owner, and a small
+``DataRef`` rides in the control message instead. A consumer resolves the ref through one of
+three connectors (the RFC's put / get / cleanup / health):
+
+    inproc  same process: the producer's own object, zero-copy
+    shm     same host: the producer's slab attached by name, a zero-copy read-only view
+    zmq     another host: pulled from the producer over ZMQ on demand (the producer never pushes)
+
+The choice is per edge (``Runtime(connectors={...})``, default ``"auto"``: the cheapest one that
+works). References: every consumer edge that receives a ref holds it (counted by the front's
+call core); when the last holder finishes, the owner releases the block; when the call ends,
+the owner drops whatever the call still holds (``cleanup``), so nothing of a finished call stays
+in any pool, whether it ended ok, with an error, or cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
+from omniflow.data._attach import PoolAttachment
+from omniflow.data._handle import BlockHandle
+from omniflow.data._pool import SharedBufferPool
+
+__all__ = [
+    "CONNECTORS",
+    "Connector",
+    "DataPlane",
+    "DataRef",
+    "InprocConnector",
+    "ShmConnector",
+    "ZmqConnector",
+    "choose_connector",
+]
+
+HOST = socket.gethostname()
+#: Connector names an edge may ask for.
+CONNECTORS = ("auto", "inproc", "shm", "zmq")
+#: Values of at least this many bytes go through the data plane (256 KiB).
+DEFAULT_THRESHOLD = 256 * 1024
+#: Default capacity of a process's pool (grown on demand up to ``max_capacity``).
+DEFAULT_CAPACITY = 256 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class DataRef:
+    """What a control message carries instead of a big value."""
+
+    #: The block in the producer's pool (dtype and shape included).
+    handle: BlockHandle
+    #: Host and process of the producer (connector choice: inproc / shm / zmq).
+    host: str
+    pid: int
+    #: Where the producer answers pulls (its worker address); "" for the front.
+    source: str
+    #: (from node, call id, field, payload key): the RFC's key, minus the consumer (one block
+    #: serves every consumer edge; each edge holds a reference).
+    key: tuple[str, str, str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return self.handle.nbytes
+
+
+def choose_connector(ref: DataRef, wanted: str = "auto") -> str:
+    """The connector a consumer here uses for ``ref``; raises if ``wanted`` cannot work."""
+    same_proc = ref.pid == os.getpid() and ref.host == HOST
+    same_host = ref.host == HOST
+    if wanted == "auto":
+        return "inproc" if same_proc else "shm" if same_host else "zmq"
+    if wanted == "inproc" and not same_proc:
+        raise DataError(f"connector 'inproc' cannot reach {ref.key}: producer is another process")
+    if wanted == "shm" and not same_host:
+        raise DataError(f"connector 'shm' cannot reach {ref.key}: producer is on {ref.host}")
+    return wanted
+
+
+class Connector(ABC):
+    """The RFC's connector API; keys are (from_node, to_node, request_id, payload_key)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def put(
+        self, from_node: str, to_node: str, request_id: str, payload_key: str, value: Any
+    ) -> DataRef: ...
+
+    @abstractmethod
+    async def get(self, ref: DataRef, *, timeout: float | None = None) -> Any: ...
+
+    @abstractmethod
+    def cleanup(self, request_id: str) -> int: ...
+
+    @abstractmethod
+    def health(self) -> dict[str, Any]: ...
+
+
+class ShmConnector(Connector):
+    """Producer side: a pool owned by this process. Consumer side: attach by name."""
+
+    name = "shm"
+
+    def __init__(self, pool_factory: Callable[[], SharedBufferPool], source: str = "") -> None:
+        self._pool_factory = pool_factory
+        self._pool: SharedBufferPool | None = None
+        self._attached: dict[str, PoolAttachment] = {}
+        self.source = source
+
+    @property
+    def pool(self) -> SharedBufferPool:
+        if self._pool is None:
+            self._pool = self._pool_factory()
+        return self._pool
+
+    def put(
+        self, from_node: str, to_node: str, request_id: str, payload_key: str, value: Any
+    ) -> DataRef:
+        pool = self.pool
+        if isinstance(value, bytes | bytearray | memoryview):
+            view = memoryview(value).cast("B")
+            handle = pool.alloc(view.nbytes, owner=request_id)
+            pool.view(handle)[:] = view
+        elif hasattr(value, "data_ptr"):
+            handle = pool.put_tensor(value, owner=request_id)
+        else:
+            handle = pool.put_array(value, owner=request_id)
+        return DataRef(handle, HOST, os.getpid(), self.source,
+                       (from_node, request_id, to_node, payload_key))  # fmt: skip
+
+    def read(self, ref: DataRef, *, copy: bool) -> Any:
+        h = ref.handle
+        if self._pool is not None and h.pool == self._pool.name:
+            io: Any = self._pool
+        else:
+            io = self._attached.get(h.pool)
+            if io is None:
+                io = self._attached[h.pool] = PoolAttachment(h.pool)
+        if h.kind == "numpy":
+            return io.get_array(h, copy=copy)
+        if h.kind == "torch":
+            return io.get_tensor(h, copy=copy)
+        view = io.view(h)
+        return bytes(view) if copy else view.toreadonly()
+
+    async def get(self, ref: DataRef, *, timeout: float | None = None) -> Any:
+        return self.read(ref, copy=False)
+
+    def release(self, ref: DataRef) -> None:
+        if self._pool is not None:
+            with contextlib.suppress(DataError):
+                self._pool.release(ref.handle, owner=ref.key[1])
+
+    def cleanup(self, request_id: str) -> int:
+        if self._pool is None:
+            return 0
+        return self._pool.release_owner(request_id)
+
+    def health(self) -> dict[str, Any]:
+        stats = self._pool.statistics() if self._pool is not None else {}
+        return {"ok": True, "pool": self._pool.name if self._pool else None, **stats}
+
+    def close(self) -> None:
+        for att in self._attached.values():
+            att.close()
+        self._attached.clear()
+        if self._pool is not None:
+            self._pool.close()
+
+
+class InprocConnector(Connector):
+    """Zero-copy hand-off of the producer's own object within one process."""
+
+    name = "inproc"
+
+    def __init__(self) -> None:
+        self._objects: dict[tuple[str, str, str, str], Any] = {}
+
+    def keep(self, ref: DataRef, value: Any) -> None:
+        self._objects[ref.key] = value
+
+    def put(
+        self, from_node: str, to_node: str, request_id: str, payload_key: str, value: Any
+    ) -> DataRef:
+        raise DataError("InprocConnector.put needs a block: use DataPlane.put")
+
+    def lookup(self, ref: DataRef) -> Any:
+        try:
+            return self._objects[ref.key]
+        except KeyError:
+            raise DataError(f"no in-process object for {ref.key}") from None
+
+    async def get(self, ref: DataRef, *, timeout: float | None = None) -> Any:
+        return self.lookup(ref)
+
+    def forget(self, ref: DataRef) -> None:
+        self._objects.pop(ref.key, None)
+
+    def cleanup(self, request_id: str) -> int:
+        keys = [k for k in self._objects if k[1] == request_id]
+        for k in keys:
+            del self._objects[k]
+        return len(keys)
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": True, "objects": len(self._objects)}
+
+
+#: Sends ``(address, ref)`` to the producer and returns its reply frames (the block's bytes).
+PullFn = Callable[[str, DataRef], Awaitable[bytes | memoryview]]
+
+
+class ZmqConnector(Connector):
+    """Consumer side of a cross-host edge: pull the block's bytes from the producer."""
+
+    name = "zmq"
+
+    def __init__(self, shm: ShmConnector, pull: PullFn) -> None:
+        self._shm = shm
+        self._pull = pull
+
+    def put(
+        self, from_node: str, to_node: str, request_id: str, payload_key: str, value: Any
+    ) -> DataRef:
+        return self._shm.put(from_node, to_node, request_id, payload_key, value)
+
+    async def get(self, ref: DataRef, *, timeout: float | None = None) -> Any:
+        if not ref.source:
+            raise DataError(f"cannot pull {ref.key}: its producer serves no pulls")
+        try:
+            data = await asyncio.wait_for(self._pull(ref.source, ref), timeout)
+        except TimeoutError:
+            raise DataTimeoutError(
+                f"pulling {ref.key} ({ref.nbytes:,} bytes) from {ref.source} took longer than "
+                f"{timeout} s"
+            ) from None
+        return decode_block(ref.handle, data)
+
+    def cleanup(self, request_id: str) -> int:
+        return self._shm.cleanup(request_id)
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": True}
+
+
+def decode_block(handle: BlockHandle, data: bytes | memoryview) -> Any:
+    """Rebuild a pulled block's value (a private copy) from its bytes."""
+    from omniflow.data import _handle
+
+    view = memoryview(bytearray(data))
+    if handle.kind == "numpy":
+        return _handle.read_array(view, handle, copy=False, writable=True)
+    if handle.kind == "torch":
+        return _handle.read_tensor(view, handle, copy=False)
+    return bytes(view)
+
+
+class DataPlane:
+    """One process's data plane: offload big outputs, resolve refs, release and clean up."""
+
+    def __init__(
+        self,
+        *,
+        threshold: int = DEFAULT_THRESHOLD,
+        capacity: int = DEFAULT_CAPACITY,
+        source: str = "",
+        pull: PullFn | None = None,
+    ) -> None:
+        self.threshold = threshold
+        self.capacity = capacity
+        self.shm = ShmConnector(lambda: SharedBufferPool(self.capacity), source)
+        self.inproc = InprocConnector()
+        self.zmq = ZmqConnector(self.shm, pull or _no_pull)
+        self.fallbacks = 0
+
+    def is_big(self, value: Any) -> bool:
+        t = type(value)
+        if t is bytes or t is bytearray:
+            return len(value) >= self.threshold
+        nbytes = getattr(value, "nbytes", None)
+        if nbytes is None and hasattr(value, "data_ptr"):
+            nbytes = value.numel() * value.element_size()
+        if not isinstance(nbytes, int) or nbytes < self.threshold:
+            return False
+        mod = t.__module__
+        return mod == "numpy" or mod.startswith("torch")
+
+    def offload(
+        self, node: str, call_id: str, aid: int, yidx: int, frame: dict[str, Any],
+        fields: frozenset[str] | set[str] | list[str],
+    ) -> dict[str, Any]:  # fmt: skip
+        """``frame`` with each big value of ``fields`` replaced by a DataRef in our pool."""
+        out = None
+        for f in fields:
+            v = frame.get(f)
+            if v is None or not self.is_big(v):
+                continue
+            try:
+                ref = self.shm.put(node, f, call_id, f"{aid}:{yidx}", v)
+            except PoolExhaustedError:
+                self.fallbacks += 1  # too big for the pool now: it rides the control message
+                continue
+            self.inproc.keep(ref, v)
+            if out is None:
+                out = dict(frame)
+            out[f] = ref
+        return frame if out is None else out
+
+    def read_now(self, ref: DataRef, connector: str = "auto", *, copy: bool = False) -> Any:
+        """Resolve without waiting (inproc / shm); raises for a ref that needs a pull."""
+        kind = choose_connector(ref, connector)
+        if kind == "inproc":
+            return self.inproc.lookup(ref)
+        if kind == "shm":
+            return self.shm.read(ref, copy=copy)
+        raise DataError(f"{ref.key} lives on {ref.host}: it needs an async pull")
+
+    def needs_pull(self, ref: DataRef, connector: str = "auto") -> bool:
+        return choose_connector(ref, connector) == "zmq"
+
+    async def get(
+        self, ref: DataRef, connector: str = "auto", *, timeout: float | None = None
+    ) -> Any:
+        kind = choose_connector(ref, connector)
+        if kind == "zmq":
+            return await self.zmq.get(ref, timeout=timeout)
+        return self.read_now(ref, kind)
+
+    def serve_pull(self, handle: BlockHandle) -> memoryview:
+        """The bytes of one of our blocks, for a consumer on another host."""
+        return self.shm.pool.view(handle)
+
+    def release(self, ref: DataRef) -> None:
+        """The last consumer edge finished: free the block (we own it)."""
+        self.inproc.forget(ref)
+        self.shm.release(ref)
+
+    def cleanup(self, call_id: str) -> int:
+        """The call ended: drop every block and object it still holds here."""
+        self.inproc.cleanup(call_id)
+        if self.shm._pool is None:
+            return 0
+        return self.shm.cleanup(call_id)
+
+    def statistics(self) -> dict[str, int]:
+        pool = self.shm._pool
+        stats = pool.statistics() if pool is not None else {}
+        return {
+            "pool_capacity_bytes": stats.get("capacity", 0),
+            "pool_used_bytes": stats.get("used_bytes", 0),
+            "pool_live_blocks": stats.get("live_blocks", 0),
+            "pool_fallbacks": self.fallbacks,
+        }
+
+    def close(self) -> None:
+        self.shm.close()
+
+
+async def _no_pull(address: str, ref: DataRef) -> bytes:
+    raise DataError(f"this process cannot pull {ref.key} from {address}: no transport")
+
+
+def refs_in(value: Any) -> list[DataRef]:
+    """DataRefs in a kwargs value (the value itself, or the items of a collected list)."""
+    if type(value) is DataRef:
+        return [value]
+    if type(value) is list or type(value) is tuple:
+        return [v for v in value if type(v) is DataRef]
+    return []
+
+
+class PullClient:
+    """Pulls blocks from producers on other hosts over the control transport (DEALER side).
+
+    One connection per producer address; requests carry an id and the producer answers
+    ``pulled {r, data}`` with the block's bytes as an out-of-band frame.
+    """
+
+    def __init__(self) -> None:
+        self._conns: dict[str, Any] = {}
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._readers: list[asyncio.Task[None]] = []
+        self._ids = iter(range(1, 1 << 62))
+
+    async def pull(self, address: str, ref: DataRef) -> bytes | memoryview:
+        from omniflow.runtime._protocol import encode_msg
+        from omniflow.transport import connect
+
+        ep = self._conns.get(address)
+        if ep is None:
+            ep = self._conns[address] = connect(address)
+            self._readers.append(asyncio.get_running_loop().create_task(self._read(ep)))
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        try:
+            await ep.send(encode_msg("pull", {"r": rid, "h": ref.handle}))
+            data: bytes | memoryview = await fut
+            return data
+        finally:
+            self._waiting.pop(rid, None)
+
+    async def _read(self, ep: Any) -> None:
+        from omniflow._exceptions import RuntimeClosedError
+        from omniflow.runtime._protocol import decode_msg
+
+        while True:
+            try:
+                _peer, frames = await ep.recv()
+            except (RuntimeClosedError, asyncio.CancelledError):
+                return
+            with contextlib.suppress(Exception):
+                kind, body = decode_msg(frames)
+                fut = self._waiting.get(body["r"])
+                if fut is None or fut.done():
+                    continue
+                if kind == "pulled":
+                    fut.set_result(body["data"])
+                else:
+                    fut.set_exception(DataError(f"pull failed: {body.get('error')}"))
+
+    def close(self) -> None:
+        for task in self._readers:
+            task.cancel()
+        for ep in self._conns.values():
+            ep.close()
+        self._conns.clear()
