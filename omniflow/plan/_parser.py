@@ -472,8 +472,13 @@ def _build(
                     root = INPUT
                 elif len(sources) == 1:
                     (only,) = sources
-                    strict = dom[only] - {only}
-                    root = max(strict, key=lambda d: (len(dom[d]), d))
+                    if any(f in ns.collect for f in grp):
+                        # Collect the whole stream of the one producer: bin one level up.
+                        strict = dom[only] - {only}
+                        root = max(strict, key=lambda d: (len(dom[d]), d))
+                    else:
+                        # Plain fields of one producer pair up frame by frame.
+                        root = only
                 else:
                     root = nearest_common_dominator(dom, sources)
                 roots[(n, gi)] = root

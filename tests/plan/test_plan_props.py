@@ -286,6 +286,11 @@ def check_plan(plan: of.StaticPlan, m: Model) -> None:
             assert ref.dominates(root, s), (bucket, root, s)
         if ref.nodes[bucket[0]].count or IN in sources:
             assert root == IN
+        elif len(sources) == 1 and not any(
+            f in ref.nodes[bucket[0]].collect for f in ref.nodes[bucket[0]].groups[bucket[1]]
+        ):
+            # Plain fields of one producer pair up frame by frame: the producer is the root.
+            assert root == next(iter(sources))
         elif len(sources) == 1:
             (only,) = sources
             assert root != only

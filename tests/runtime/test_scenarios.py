@@ -805,3 +805,26 @@ async def test_roles_setup_and_teardown_once_across_graphs() -> None:
         assert await rt.run("g2", {"x": 2}) == {"y": [4]}
         assert await rt.run("g1", {"x": 3}) == {"y": [6]}
     assert events == ["setup", "teardown"]
+
+
+async def test_fields_of_one_generator_frame_pair_up_per_frame(runtime: Any) -> None:
+    class Gen(of.Role):
+        @of.interface(inputs_or=[["n"]], outputs=["p", "q"])
+        async def gen(self, n: int) -> Any:
+            for i in range(n):
+                yield {"p": i, "q": -i}
+
+    class Pair(of.Role):
+        @of.interface(inputs_or=[["p", "q"]], outputs=["pair"])
+        async def run(self, p: int, q: int) -> dict[str, Any]:
+            return {"pair": (p, q)}
+
+    g = of.Graph(
+        "pairs",
+        roles={"gen": Gen(), "pair": Pair()},
+        inputs=[of.Placeholder("n")],
+        outputs=["pair"],
+    )
+    assert of.parse(g).diamond_roots[("pair.run", 0)] == "gen.gen"
+    rt = await runtime(g)
+    assert await rt.run("pairs", {"n": 3}) == {"pair": [(0, 0), (1, -1), (2, -2)]}
