@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,11 @@ class Call:
         self.status = "pending"
         #: Node errors of the call (kind "error" or "cancel").
         self.errors: list[NodeError] = []
+        #: Undelivered frames above which stream producers wait for the reader (backpressure
+        #: applies only while someone iterates the call, so an unread call cannot deadlock).
+        self.high_water = runtime.stream_high_water
+        self._readers = 0
+        self._space: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return f"<Call {self.graph}#{self.call_id} session={self.session!r} {self.status}>"
@@ -86,6 +91,7 @@ class Call:
             w.set_result(None)
 
     def _finish(self, status: str, errors: list[NodeError]) -> None:
+        self._release_producers()
         self.status = status
         self.errors = errors
         self.core = None
@@ -93,11 +99,14 @@ class Call:
         self._done.set()
         self._wake()
 
-    async def __aiter__(self) -> AsyncIterator[Frame]:
+    async def __aiter__(self) -> AsyncGenerator[Frame, None]:
+        self._readers += 1
         try:
             while True:
                 while self._frames:
                     yield self._frames.popleft()
+                    if self._space is not None and len(self._frames) <= self.high_water // 2:
+                        self._release_producers()
                 if self._done.is_set():
                     return
                 self._waiter = asyncio.get_running_loop().create_future()
@@ -106,9 +115,27 @@ class Call:
                 finally:
                     self._waiter = None
         finally:
+            self._readers -= 1
+            self._release_producers()
             if not self._done.is_set():
                 # The caller left the stream early (break, exception, task cancelled).
                 self._rt._cancel_call(self)
+
+    def _congested(self) -> bool:
+        return self._readers > 0 and len(self._frames) >= self.high_water
+
+    async def _wait_space(self) -> None:
+        """A producer waits here while the reader is ``high_water`` frames behind."""
+        if self._space is None:
+            self._space = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._space)
+
+    def _release_producers(self) -> None:
+        space = self._space
+        if space is not None:
+            self._space = None
+            if not space.done():
+                space.set_result(None)
 
     async def cancel(self) -> None:
         """Cancel the call and wait until nothing of it is left."""

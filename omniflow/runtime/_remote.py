@@ -249,7 +249,11 @@ class RemoteRoles:
         cmd += ["--bind", address, "--replica-id", rid]
         if self.registry_url:
             cmd += ["--registry", self.registry_url, "--heartbeat", str(self.heartbeat_interval)]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL)
+        # A session of its own: Ctrl-C in the front's terminal must not kill the workers
+        # before the front drains; the front stops them itself.
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+        )
         rep = _Replica(rid, list(spec.roles), address, process=proc)
         self._replicas[rid] = rep
         rep.tasks.append(asyncio.get_running_loop().create_task(self._reap(rep)))

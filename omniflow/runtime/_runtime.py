@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import logging
 import os
 import time
 from collections import deque
@@ -40,6 +41,8 @@ from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
 
 __all__ = ["Runtime", "RuntimeState"]
+
+logger = logging.getLogger("omniflow.runtime")
 
 
 class RuntimeState(enum.Enum):
@@ -144,6 +147,7 @@ class Runtime:
         metrics: bool = False,
         connectors: dict[Any, str] | None = None,
         data_threshold: int = DEFAULT_THRESHOLD,
+        stream_high_water: int = 1024,
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
@@ -210,6 +214,8 @@ class Runtime:
         )
         #: Check every call core's invariants after each step (tests switch this on).
         self.validate = validate
+        #: Frames a reader may fall behind before stream producers wait (backpressure).
+        self.stream_high_water = stream_high_water
         self._loop: asyncio.AbstractEventLoop | None = None
         self._set_up: list[Any] = []
         #: Counters for /metrics (None while metrics are off).
@@ -397,8 +403,11 @@ class Runtime:
         self._call_params[call.call_id] = params
         inputs = call._inputs or {}
         call._inputs = None
-        core.start(inputs)
-        self._pump(call)
+        try:
+            core.start(inputs)
+            self._pump(call)
+        except Exception as exc:
+            self._crash(call, exc)
 
     def _pump(self, call: Call) -> None:
         core = call.core
@@ -475,6 +484,18 @@ class Runtime:
     def _resumed(
         self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
     ) -> None:
+        if call.done:
+            if task.cancelled():
+                coro.close()
+            return
+        try:
+            self._resumed_step(call, core, act, coro, task)
+        except Exception as exc:
+            self._crash(call, exc)
+
+    def _resumed_step(
+        self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
+    ) -> None:
         if task.cancelled():
             coro.close()
             self._done(call, core, act, asyncio.CancelledError())
@@ -497,9 +518,18 @@ class Runtime:
                     frame = await agen.__anext__()
                 except StopAsyncIteration:
                     break
-                if not core.on_frame(act, frame):
+                if call.done:
                     break
-                self._pump(call)
+                try:
+                    accepted = core.on_frame(act, frame)
+                    self._pump(call)
+                except Exception as internal:
+                    self._crash(call, internal)
+                    break
+                if not accepted:
+                    break
+                if call._congested():
+                    await call._wait_space()
         except asyncio.CancelledError as e:
             exc = e
         except Exception as e:
@@ -509,8 +539,13 @@ class Runtime:
                 await agen.aclose()
             except BaseException as e:  # a generator that misbehaves on close
                 exc = exc or e
-        self._done(call, core, act, exc)
-        self._pump(call)
+        if call.done:
+            return
+        try:
+            self._done(call, core, act, exc)
+            self._pump(call)
+        except Exception as internal:
+            self._crash(call, internal)
 
     def _done(self, call: Call, core: CallCore, act: Activation, exc: BaseException | None) -> None:
         m = self.metrics
@@ -526,15 +561,52 @@ class Runtime:
         core.on_done(act, exc)
 
     def _remote_frame(self, call: Call, core: CallCore, act: Activation, frame: Any) -> None:
-        if not core.on_frame(act, frame) and act.task is not None and not core.closing:
-            act.task.cancel()  # the core rejected the frame: stop the remote method
-        self._pump(call)
+        if call.done:
+            return
+        try:
+            if not core.on_frame(act, frame) and act.task is not None and not core.closing:
+                act.task.cancel()  # the core rejected the frame: stop the remote method
+            self._pump(call)
+        except Exception as exc:
+            self._crash(call, exc)
 
     def _remote_done(
         self, call: Call, core: CallCore, act: Activation, exc: BaseException | None
     ) -> None:
-        self._done(call, core, act, exc)
-        self._pump(call)
+        if call.done:
+            return
+        try:
+            self._done(call, core, act, exc)
+            self._pump(call)
+        except Exception as internal:
+            self._crash(call, internal)
+
+    def _crash(self, call: Call, exc: BaseException) -> None:
+        """A bug in omniflow surfaced while running ``call``: end it with an error, cancel
+        what runs, and keep the runtime serving (the call's story tells what led here)."""
+        logger.error("internal error in call %s", call.call_id, exc_info=exc)
+        core = call.core
+        if core is None or call.done:
+            return
+        core.closing = True
+        err = NodeError(
+            "<runtime>",
+            f"internal error {type(exc).__name__}: {exc}; this is an omniflow bug, please "
+            f"report it with rt.story({call.call_id!r})",
+            call_id=call.call_id,
+            graph=call.graph,
+            exc_type=type(exc).__name__,
+        )
+        err.__cause__ = exc
+        core.errors.append(err)
+        current = asyncio.current_task()
+        for act in list(core.running):
+            task = act.task
+            if task is not None and task is not current:
+                task.cancel()
+        core.running.clear()
+        core.finished = True
+        self._finish_call(call, core)
 
     def _release(self, refs: list[DataRef]) -> None:
         mine = [r for r in refs if r.source == "" and r.pid == os.getpid()]
@@ -580,8 +652,11 @@ class Runtime:
             # Still queued behind its session: it never started.
             self._finish_call(call, None, status="cancelled")
             return
-        core.cancel()
-        self._pump(call)
+        try:
+            core.cancel()
+            self._pump(call)
+        except Exception as exc:
+            self._crash(call, exc)
 
     def _finish_call(self, call: Call, core: CallCore | None, status: str | None = None) -> None:
         if call.done:

@@ -828,3 +828,65 @@ async def test_fields_of_one_generator_frame_pair_up_per_frame(runtime: Any) -> 
     assert of.parse(g).diamond_roots[("pair.run", 0)] == "gen.gen"
     rt = await runtime(g)
     assert await rt.run("pairs", {"n": 3}) == {"pair": [(0, 0), (1, -1), (2, -2)]}
+
+
+async def test_an_internal_error_ends_the_call_not_the_runtime(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omniflow.runtime import _core
+
+    class Gen(of.Role):
+        @of.interface(inputs_or=[["n"]], outputs=["x"])
+        async def gen(self, n: int) -> Any:
+            for i in range(n):
+                await asyncio.sleep(0)
+                yield {"x": i}
+
+    g = of.Graph("crash", roles={"g": Gen()}, inputs=[of.Placeholder("n")], outputs=["x"])
+    rt = await runtime(g)
+    original = _core.CallCore._emit
+    seen = 0
+
+    def flaky(self: Any, *args: Any) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == 3:
+            raise RuntimeError("injected")
+        original(self, *args)
+
+    monkeypatch.setattr(_core.CallCore, "_emit", flaky)
+    call = rt.call("crash", {"n": 10})
+    got = [f.value async for f in call]
+    assert got == [0, 1]
+    assert call.status == "error"
+    assert [e.node for e in call.errors] == ["<runtime>"]
+    assert "internal error RuntimeError: injected" in str(call.errors[0])
+    monkeypatch.setattr(_core.CallCore, "_emit", original)
+    assert await rt.run("crash", {"n": 3}) == {"x": [0, 1, 2]}
+
+
+async def test_a_slow_reader_holds_back_a_stream_producer(runtime: Any) -> None:
+    produced: list[int] = []
+
+    class Gen(of.Role):
+        @of.interface(inputs_or=[["n"]], outputs=["x"])
+        async def gen(self, n: int) -> Any:
+            for i in range(n):
+                produced.append(i)
+                yield {"x": i}
+
+    g = of.Graph("bp", roles={"g": Gen()}, inputs=[of.Placeholder("n")], outputs=["x"])
+    rt = await runtime(g, stream_high_water=8)
+    call = rt.call("bp", {"n": 100})
+    it = call.__aiter__()
+    first = await it.__anext__()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert first.value == 0
+    assert len(produced) <= 10  # the producer waits for the reader
+    rest = [f.value async for f in it]
+    assert rest == list(range(1, 100))
+    # Nobody iterating: no backpressure, so waiting for the end cannot deadlock.
+    quiet = rt.call("bp", {"n": 50})
+    assert await asyncio.wait_for(quiet.wait(), 5) == "ok"
+    assert len([f async for f in quiet]) == 50
