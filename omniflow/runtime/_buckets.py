@@ -11,8 +11,8 @@ the keyword arguments) or DEAD (with the reason).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.dsl._role import _All
@@ -61,7 +61,11 @@ class BucketSpec:
     by_field: dict[str, FieldSpec]
     #: For each source: the nodes from which it can still be reached (itself included).
     feeders: dict[str, frozenset[str]]
+    #: For each field: the union of its sources' feeders.
+    field_feeders: dict[str, frozenset[str]]
     is_join: bool
+    #: The bucket itself is live at its node: discount it when asking about its own slots.
+    discount: dict[str, int] = field(default_factory=dict)
 
 
 def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
@@ -91,7 +95,11 @@ def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
             fields=tuple(fields),
             by_field={fs.name: fs for fs in fields},
             feeders={s: feeders[s] for fs in fields for s in fs.sources},
+            field_feeders={
+                fs.name: frozenset().union(*(feeders[s] for s in fs.sources)) for fs in fields
+            },
             is_join=spec.is_join,
+            discount={node: 1},
         )
     return out
 
@@ -99,7 +107,18 @@ def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
 class Bucket:
     """Frames gathered for one activation of a convergence node."""
 
-    __slots__ = ("arrivals", "frames", "key", "refs", "seq", "spec", "table")
+    __slots__ = (
+        "arrivals",
+        "frames",
+        "key",
+        "open",
+        "refs",
+        "retired",
+        "seq",
+        "settled",
+        "spec",
+        "table",
+    )
 
     def __init__(self, spec: BucketSpec, key: Entry, table: Table) -> None:
         #: Static facts.
@@ -116,6 +135,12 @@ class Bucket:
         self.seq: Entry | None = None
         #: Data-plane refs among its frames (held until it fires, then by its activation).
         self.refs: list[Any] = []
+        #: Fields whose every slot has ended (learned at evaluations; ending is final).
+        self.settled: set[str] = set()
+        #: Fields not yet satisfied (by their frames, or by their slots ending).
+        self.open: set[str] = {fs.name for fs in spec.fields}
+        #: Set once it fired or died (it is out of the bucket table then).
+        self.retired = False
 
     def add(self, fld: str, value: Any, sort_key: Any) -> str | None:
         """Store a frame; return an error message when the frame breaks the field's rule."""
@@ -125,44 +150,89 @@ class Bucket:
             return err
         lst.append((sort_key, value))
         self.arrivals += 1
+        fs = self.spec.by_field[fld]
+        if (fs.mode == "plain" and len(fs.sources) == 1) or (
+            fs.mode == "count" and fs.threshold is not None and len(lst) >= fs.threshold
+        ):
+            self.open.discard(fld)
         return None
 
-    def evaluate(self, ended: Callable[[str], bool]) -> tuple[str, Any]:
-        """WAIT, (FIRE, kwargs) or (DEAD, reason). ``ended(source)`` says a slot has ended."""
-        kwargs: dict[str, Any] = {}
-        waiting = False
-        for fs in self.spec.fields:
-            lst = self.frames.get(fs.name)
-            n = len(lst) if lst else 0
-            if fs.mode == "plain":
-                if n:
-                    if len(fs.sources) > 1 and not all(ended(s) for s in fs.sources):
-                        # Another path may still deliver: a second frame would be an error the
-                        # caller must see, so wait until the other slots settle.
-                        waiting = True
-                    kwargs[fs.name] = lst[0][1] if lst else None
-                    continue
-                if all(ended(s) for s in fs.sources):
-                    if fs.critical:
-                        return DEAD, f"critical input '{fs.name}' will never arrive"
-                    kwargs[fs.name] = None
+    def refresh_live(self, live: Any, dropped: Sequence[str] | None) -> str | None:
+        """``refresh`` against liveness counts directly (the core's hot path)."""
+        if not self.open:
+            return None
+        spec = self.spec
+        if dropped is not None:
+            ff = spec.field_feeders
+            if not any(n in ff[name] for name in self.open for n in dropped):
+                return None  # nothing that ended feeds a field we still wait for
+        key = self.key
+        feeders, discount = spec.feeders, spec.discount
+        return self.refresh(lambda src: not live.reaches(key, feeders[src], discount), dropped)
+
+    def refresh(self, ended: Callable[[str], bool], dropped: Sequence[str] | None) -> str | None:
+        """Settle every open field whose slots have all ended; ``dropped``: only fields those
+        nodes can feed (None: every open field, as at creation). Ending is final, so the
+        ``open`` set stays exact as long as every liveness drop under the key is passed
+        here. Returns why the bucket is DEAD, if it is."""
+        if not self.open:
+            return None
+        spec = self.spec
+        ff = spec.field_feeders
+        for name in list(self.open):
+            if dropped is not None:
+                feeders = ff[name]
+                for n in dropped:
+                    if n in feeders:
+                        break
                 else:
-                    waiting = True
-                continue
-            if fs.mode == "count" and fs.threshold is not None and n >= fs.threshold:
-                kwargs[fs.name] = _ordered(lst)
-                continue
+                    continue
+            fs = spec.by_field[name]
             if all(ended(s) for s in fs.sources):
-                if n == 0 and fs.critical:
-                    return DEAD, f"collected input '{fs.name}' ended with no frame"
-                kwargs[fs.name] = _ordered(lst)
-            else:
-                waiting = True
-        if waiting:
+                if fs.critical and not self.frames.get(name):
+                    if fs.mode == "plain":
+                        return f"critical input '{name}' will never arrive"
+                    return f"collected input '{name}' ended with no frame"
+                self.settled.add(name)
+                self.open.discard(name)
+        return None
+
+    def decide(self) -> tuple[str, Any]:
+        """From what arrived and what settled: WAIT, (FIRE, kwargs) or (DEAD, reason)."""
+        if self.open:
             return WAIT, None
+        frames = self.frames
+        kwargs = {fs.name: _settled_value(fs, frames.get(fs.name)) for fs in self.spec.fields}
         if not self.arrivals:
             return DEAD, "every input ended without a frame"
         return FIRE, kwargs
+
+    def could_fire_now(self, fs: FieldSpec) -> bool:
+        """After a frame of ``fs`` arrived: can the bucket fire without waiting for a slot to
+        end? A frame never ends another slot, so only a frame that completes the set can;
+        collected and ALL fields are satisfied only by their streams ending."""
+        if fs.mode == "collect" or (fs.mode == "count" and fs.threshold is None):
+            return False
+        return not self.open
+
+    def evaluate(
+        self, ended: Callable[[str], bool], dropped: Sequence[str] | None = None
+    ) -> tuple[str, Any]:
+        """WAIT, (FIRE, kwargs) or (DEAD, reason). ``ended(source)`` says a slot has ended."""
+        reason = self.refresh(ended, dropped)
+        if reason is not None:
+            return DEAD, reason
+        return self.decide()
+
+
+def _settled_value(fs: FieldSpec, lst: list[tuple[Any, Any]] | None) -> Any:
+    """The value of a satisfied field: its frame (None when it ended empty), or the list."""
+    if fs.mode == "plain":
+        return lst[0][1] if lst else None
+    if fs.mode == "count" and fs.threshold is not None and lst and len(lst) > fs.threshold:
+        lst = sorted(lst, key=lambda kv: kv[0])[: fs.threshold]
+        return [v for _k, v in lst]
+    return _ordered(lst)
 
 
 def rule_error(fs: FieldSpec, before: int) -> str | None:

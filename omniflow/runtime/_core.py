@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from omniflow._exceptions import NodeError
@@ -334,7 +335,13 @@ class CallCore:
             self.live.inc(prefix, bspec.node)
             self.blive.inc(prefix, bspec.node)
             self._watch(key, b)
-            self._log("bucket", node=bspec.node, group=bspec.group, key=key)
+            if self._story is not None:
+                self._log("bucket", node=bspec.node, group=bspec.group, key=key)
+            # Slots may have ended before the bucket existed (no drop will announce them):
+            # learn them now, while this frame's producer still holds its own slots open.
+            fresh = True
+        else:
+            fresh = False
         err = b.add(f, value, (table[len(b.table) :], b.arrivals))
         if type(value) is DataRef and err is None:
             b.refs.append(value)
@@ -343,7 +350,12 @@ class CallCore:
             self._node_error(bspec.node, err, field=f)
             self._kill_bucket(bid, b, "input rule broken")
             return
-        self._touched.append(b)
+        # Otherwise the bucket is re-evaluated when liveness under its key drops: its own
+        # producer's activation (or dispatch hold) always ends after this arrival.
+        if fresh:
+            self._evaluate(b, None)
+        elif b.could_fire_now(bspec.by_field[f]):
+            self._touched.append(b)
 
     @staticmethod
     def _late_frame_message(bspec: BucketSpec, f: str) -> str:
@@ -506,45 +518,55 @@ class CallCore:
                 b = self._touched.pop()
                 self._evaluate(b)
             if live.dirty:
-                dirty = list(live.dirty)
-                live.dirty.clear()
-                for e in dirty:
+                dirty = live.dirty
+                live.dirty = {}
+                for e, dropped in dirty.items():
                     ws = self._waiters.get(e)
                     if not ws:
                         continue
-                    for w in sorted(ws, key=_waiter_order):
+                    for w in sorted(ws, key=_waiter_order) if len(ws) > 1 else list(ws):
                         if isinstance(w, Bucket):
-                            self._evaluate(w)
+                            # Only a node that feeds a still-open slot can have ended one.
+                            self._evaluate(w, dropped)
+                            continue
+                        so, f, node = w
+                        if so.watching != e[2]:
+                            continue
+                        feeders = (
+                            self.c.seq_feeders[node] if f is None else self.c.seq_out_feeders[f]
+                        )
+                        if not any(n in feeders for n in dropped) and not (
+                            f is None and any(n == node for n in dropped)
+                        ):
+                            continue
+                        if f is None:
+                            self._unwatch_order(so)
+                            self._pump_session(node)
                         else:
-                            so, f, node = w
-                            if so.watching != e[2]:
-                                continue
-                            if f is None:
-                                self._unwatch_order(so)
-                                self._pump_session(node)
-                            else:
-                                self._release_caller(f, so)
+                            self._release_caller(f, so)
         self._maybe_finish()
 
-    def _evaluate(self, b: Bucket) -> None:
-        spec = b.spec
-        bid = (spec.node, spec.group, b.key)
-        if self.buckets.get(bid) is not b:
+    def _evaluate(self, b: Bucket, dropped: Sequence[str] | None = ()) -> None:
+        """Decide a bucket. ``dropped``: nodes whose live work under its key just ended (only
+        fields they feed can have ended); None: check every open field; (): arrivals only."""
+        if b.retired:
             return
-        live = self.live
-        key = b.key
+        reason = b.refresh_live(self.live, dropped)
+        if reason is None:
+            verdict, payload = b.decide()
+        else:
+            verdict, payload = DEAD, reason
+        spec = b.spec
         node = spec.node
-        discount = {node: 1}
-
-        def ended(src: str) -> bool:
-            return not live.reaches(key, spec.feeders[src], discount)
-
-        verdict, payload = b.evaluate(ended)
+        key = b.key
+        live = self.live
+        bid = (node, spec.group, key)
         if verdict == WAIT:
             return
         if verdict == FIRE:
             self._retire_bucket(bid, b, "fired")
-            self._log("fire", node=node, group=spec.group, key=key)
+            if self._story is not None:
+                self._log("fire", node=node, group=spec.group, key=key)
             seq = b.seq if b.seq is not None else INPUT_ENTRY
             act = Activation(next(self._aids), node, spec.group, payload, b.table, seq)
             act.refs = b.refs or None  # the bucket's holds pass to its activation
@@ -574,6 +596,7 @@ class CallCore:
             self._dead_seen[bid] = seen
 
     def _retire_bucket(self, bid: tuple[str, int, Entry], b: Bucket, how: str) -> None:
+        b.retired = True
         del self.buckets[bid]
         self._spent[bid] = how
         ws = self._waiters.get(b.key)

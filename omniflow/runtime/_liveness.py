@@ -38,8 +38,9 @@ class Liveness:
         self.counts: dict[Entry, dict[str, int]] = {}
         #: Entries somebody waits on (a bucket, an ordering queue).
         self.watched: dict[Entry, int] = {}
-        #: Watched entries whose counts dropped since the owner last looked.
-        self.dirty: set[Entry] = set()
+        #: Watched entries whose count at some node dropped to zero since the owner last
+        #: looked, with those nodes (a waiter only cares if one of them could feed it).
+        self.dirty: dict[Entry, list[str]] = {}
 
     def inc(self, table: Table, node: str) -> None:
         counts = self.counts
@@ -62,7 +63,11 @@ class Liveness:
             if not d:
                 del counts[e]
             if e in self.watched:
-                self.dirty.add(e)
+                nodes = self.dirty.get(e)
+                if nodes is None:
+                    self.dirty[e] = [node]
+                else:
+                    nodes.append(node)
 
     def watch(self, e: Entry) -> None:
         self.watched[e] = self.watched.get(e, 0) + 1

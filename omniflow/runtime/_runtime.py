@@ -29,7 +29,7 @@ from omniflow._exceptions import (
     OmniflowError,
     RuntimeClosedError,
 )
-from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane, DataRef
+from omniflow.data._plane import DEFAULT_THRESHOLD, STATISTICS_KEYS, DataPlane, DataRef
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters, Graph, RoleRef
 from omniflow.plan._parser import parse_graphs
@@ -277,6 +277,13 @@ class Runtime:
 
     def call(self, graph: str, inputs: dict[str, Any], session: str | None = None) -> Call:
         """Start a call of ``graph``; returns at once. Calls of one session run in FIFO order."""
+        return self._submit(graph, inputs, session, now=False)
+
+    def _submit(
+        self, graph: str, inputs: dict[str, Any], session: str | None, *, now: bool
+    ) -> Call:
+        """Check and enqueue a call; ``now``: start it in this step when it need not queue
+        (``run`` does, being awaited already; ``call`` never runs user code before returning)."""
         if self.state is not RuntimeState.RUNNING:
             raise RuntimeClosedError(
                 f"Runtime is {self.state.value}; use 'async with omniflow.Runtime(...) as rt'"
@@ -312,23 +319,31 @@ class Runtime:
         call = Call(self, graph, call_id, dict(inputs), session)
         self._calls[call_id] = call
         assert self._loop is not None
-        if session is None:
-            self._loop.call_soon(self._start_call, call)
-        else:
+        if session is not None:
             q = self._queues.get(session)
             if q is None:
                 q = self._queues[session] = deque()
             q.append(call)
-            if len(q) == 1:
-                self._loop.call_soon(self._start_call, call)
+            if len(q) > 1:
+                return call
+        if now:
+            self._start_call(call)
+        else:
+            self._loop.call_soon(self._start_call, call)
         return call
 
     async def run(
         self, graph: str, inputs: dict[str, Any], session: str | None = None
     ) -> dict[str, list[Any]]:
         """Run a call to its end; frames by field. Raises the first NodeError of the call."""
-        call = self.call(graph, inputs, session)
-        out = await call.collect()
+        call = self._submit(graph, inputs, session, now=True)
+        if call.done:  # finished within its first step: no need to wait on anything
+            out: dict[str, list[Any]] = {}
+            for frame in call._frames:
+                out.setdefault(frame.field, []).append(frame.value)
+            call._frames.clear()
+        else:
+            out = await call.collect()
         for err in call.errors:
             if err.kind == "error":
                 raise err
@@ -358,9 +373,24 @@ class Runtime:
     def data_plane_stats(self) -> dict[str, int]:
         """This process's buffer pool (all zeros while no role runs in a worker process)."""
         if self.plane is None:
-            return {"pool_capacity_bytes": 0, "pool_used_bytes": 0, "pool_live_blocks": 0,
-                    "pool_fallbacks": 0}  # fmt: skip
+            return dict.fromkeys(STATISTICS_KEYS, 0)
         return self.plane.statistics()
+
+    async def pool_stats(self) -> dict[str, dict[str, int]]:
+        """The data plane of every process: ``{"<front>": ..., replica id: ...}``.
+
+        >>> stats = await rt.pool_stats()                                # doctest: +SKIP
+        >>> [s["pool_live_blocks"] for s in stats.values()]              # after every call
+        [0, 0, 0]
+
+        Each value is ``DataPlane.statistics()`` (pool gauges and data-plane counters); a
+        worker's also carries its ``pid``. A worker's answer reflects every message the front
+        sent it before (releases, ends of calls); one that does not answer in 5 s is left out.
+        """
+        out = {"<front>": self.data_plane_stats()}
+        if self.remote is not None:
+            out.update(await self.remote.data_plane_stats())
+        return out
 
     def sessions(self) -> list[str]:
         """Sessions whose GlobalParameters are held (until ``close_session``)."""

@@ -373,6 +373,7 @@ def _spec(*fields: tuple[str, tuple[str, ...], str, int | None]) -> BucketSpec:
         fields=fs,
         by_field={f.name: f for f in fs},
         feeders={s: frozenset({s}) for f in fs for s in f.sources},
+        field_feeders={f.name: frozenset(f.sources) for f in fs},
         is_join=any(f.mode == "count" for f in fs),
     )
 
