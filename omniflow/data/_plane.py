@@ -48,8 +48,25 @@ HOST = socket.gethostname()
 CONNECTORS = ("auto", "inproc", "shm", "zmq")
 #: Values of at least this many bytes go through the data plane (256 KiB).
 DEFAULT_THRESHOLD = 256 * 1024
-#: Default capacity of a process's pool (grown on demand up to ``max_capacity``).
+#: Default capacity of a process's pool (fixed; a value that does not fit rides inline).
 DEFAULT_CAPACITY = 256 * 2**20
+#: Environment variable that overrides DEFAULT_CAPACITY (bytes) for every DataPlane created
+#: without an explicit capacity; worker processes inherit it from the front that spawns them.
+POOL_BYTES_ENV = "OMNIFLOW_POOL_BYTES"
+
+
+def default_capacity() -> int:
+    """Pool capacity from ``$OMNIFLOW_POOL_BYTES``, else DEFAULT_CAPACITY (256 MiB)."""
+    raw = os.environ.get(POOL_BYTES_ENV)
+    if not raw:
+        return DEFAULT_CAPACITY
+    try:
+        value = int(raw)
+    except ValueError:
+        raise DataError(f"{POOL_BYTES_ENV}={raw!r} is not a number of bytes") from None
+    if value <= 0:
+        raise DataError(f"{POOL_BYTES_ENV}={raw!r} must be a positive number of bytes")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,38 +288,50 @@ class DataPlane:
         self,
         *,
         threshold: int = DEFAULT_THRESHOLD,
-        capacity: int = DEFAULT_CAPACITY,
+        capacity: int | None = None,
         source: str = "",
         pull: PullFn | None = None,
     ) -> None:
+        #: Values of at least this many bytes are offloaded (unless ``offload`` says otherwise).
         self.threshold = threshold
-        self.capacity = capacity
+        #: Bytes of the pool, created on first offload (``$OMNIFLOW_POOL_BYTES`` or 256 MiB).
+        self.capacity = default_capacity() if capacity is None else capacity
         self.shm = ShmConnector(lambda: SharedBufferPool(self.capacity), source)
         self.inproc = InprocConnector()
         self.zmq = ZmqConnector(self.shm, pull or _no_pull)
+        #: Values that did not fit the pool and rode the control message instead.
         self.fallbacks = 0
+        #: Counters: values offloaded (and their bytes), reads per connector, pulls served.
+        self.counts = dict.fromkeys(_COUNTS, 0)
 
-    def is_big(self, value: Any) -> bool:
+    def is_big(self, value: Any, threshold: int | None = None) -> bool:
+        """An ndarray, torch tensor or bytes of at least ``threshold`` bytes (and at least 1)."""
+        limit = max(1, self.threshold if threshold is None else threshold)
         t = type(value)
         if t is bytes or t is bytearray:
-            return len(value) >= self.threshold
+            return len(value) >= limit
         nbytes = getattr(value, "nbytes", None)
         if nbytes is None and hasattr(value, "data_ptr"):
             nbytes = value.numel() * value.element_size()
-        if not isinstance(nbytes, int) or nbytes < self.threshold:
+        if not isinstance(nbytes, int) or nbytes < limit:
             return False
         mod = t.__module__
         return mod == "numpy" or mod.startswith("torch")
 
     def offload(
         self, node: str, call_id: str, aid: int, yidx: int, frame: dict[str, Any],
-        fields: frozenset[str] | set[str] | list[str],
+        fields: frozenset[str] | set[str] | list[str], threshold: int | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """``frame`` with each big value of ``fields`` replaced by a DataRef in our pool."""
+        """``frame`` with each big value of ``fields`` replaced by a DataRef in our pool.
+
+        ``threshold`` overrides ``self.threshold`` for this frame (the front's setting, sent
+        with each run message, so ``Runtime(data_threshold=...)`` holds in its workers too).
+        """
         out = None
+        is_big = self.is_big
         for f in fields:
             v = frame.get(f)
-            if v is None or not self.is_big(v):
+            if v is None or not is_big(v, threshold):
                 continue
             try:
                 ref = self.shm.put(node, f, call_id, f"{aid}:{yidx}", v)
@@ -310,6 +339,8 @@ class DataPlane:
                 self.fallbacks += 1  # too big for the pool now: it rides the control message
                 continue
             self.inproc.keep(ref, v)
+            self.counts["offloaded"] += 1
+            self.counts["offloaded_bytes"] += ref.nbytes
             if out is None:
                 out = dict(frame)
             out[f] = ref
@@ -319,8 +350,10 @@ class DataPlane:
         """Resolve without waiting (inproc / shm); raises for a ref that needs a pull."""
         kind = choose_connector(ref, connector)
         if kind == "inproc":
+            self.counts["reads_inproc"] += 1
             return self.inproc.lookup(ref)
         if kind == "shm":
+            self.counts["reads_shm"] += 1
             return self.shm.read(ref, copy=copy)
         raise DataError(f"{ref.key} lives on {ref.host}: it needs an async pull")
 
@@ -332,12 +365,17 @@ class DataPlane:
     ) -> Any:
         kind = choose_connector(ref, connector)
         if kind == "zmq":
-            return await self.zmq.get(ref, timeout=timeout)
+            value = await self.zmq.get(ref, timeout=timeout)
+            self.counts["pulls"] += 1
+            self.counts["pulled_bytes"] += ref.nbytes
+            return value
         return self.read_now(ref, kind)
 
     def serve_pull(self, handle: BlockHandle) -> memoryview:
         """The bytes of one of our blocks, for a consumer on another host."""
-        return self.shm.pool.view(handle)
+        view = self.shm.pool.view(handle)
+        self.counts["pulls_served"] += 1
+        return view
 
     def release(self, ref: DataRef) -> None:
         """The last consumer edge finished: free the block (we own it)."""
@@ -352,6 +390,7 @@ class DataPlane:
         return self.shm.cleanup(call_id)
 
     def statistics(self) -> dict[str, int]:
+        """The pool (zeros until its first offload) and the counters (``_COUNTS``)."""
         pool = self.shm._pool
         stats = pool.statistics() if pool is not None else {}
         return {
@@ -359,14 +398,32 @@ class DataPlane:
             "pool_used_bytes": stats.get("used_bytes", 0),
             "pool_live_blocks": stats.get("live_blocks", 0),
             "pool_fallbacks": self.fallbacks,
+            **self.counts,
         }
 
     def close(self) -> None:
         self.shm.close()
 
 
+#: Counters of ``DataPlane.statistics()`` beside the pool's gauges: values this process put in
+#: its pool (and their bytes); reads it resolved in process (inproc), by mapping a producer's
+#: slab (shm) or by pulling (zmq, with the bytes pulled); pulls it answered as a producer.
+_COUNTS = ("offloaded", "offloaded_bytes", "reads_inproc", "reads_shm", "pulls", "pulled_bytes",
+           "pulls_served")  # fmt: skip
+#: Every key of ``DataPlane.statistics()``.
+STATISTICS_KEYS = ("pool_capacity_bytes", "pool_used_bytes", "pool_live_blocks", "pool_fallbacks",
+                   *_COUNTS)  # fmt: skip
+
+
 async def _no_pull(address: str, ref: DataRef) -> bytes:
     raise DataError(f"this process cannot pull {ref.key} from {address}: no transport")
+
+
+def _lost_error(address: str, ref: DataRef) -> DataError:
+    return DataError(
+        f"cannot pull {ref.key} ({ref.nbytes:,} bytes): its producer at {address} (pid "
+        f"{ref.pid}) was lost, and its pool with it"
+    )
 
 
 def refs_in(value: Any) -> list[DataRef]:
@@ -382,12 +439,18 @@ class PullClient:
     """Pulls blocks from producers on other hosts over the control transport (DEALER side).
 
     One connection per producer address; requests carry an id and the producer answers
-    ``pulled {r, data}`` with the block's bytes as an out-of-band frame.
+    ``pulled {r, data}`` with the block's bytes as an out-of-band frame. A producer that dies
+    never answers (ZMQ just reconnects), so the front reports lost producers (``lost``): their
+    pulls in flight fail at once, and so does any later pull of a block they made.
     """
 
     def __init__(self) -> None:
         self._conns: dict[str, Any] = {}
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        #: Request id -> (address, pid) of the producer it waits on.
+        self._asked: dict[int, tuple[str, int]] = {}
+        #: Producers known to be gone, as (address, pid): a restarted one has a new pid.
+        self._lost: set[tuple[str, int]] = set()
         self._readers: list[asyncio.Task[None]] = []
         self._ids = iter(range(1, 1 << 62))
 
@@ -395,6 +458,8 @@ class PullClient:
         from omniflow.runtime._protocol import encode_msg
         from omniflow.transport import connect
 
+        if (address, ref.pid) in self._lost:
+            raise _lost_error(address, ref)
         ep = self._conns.get(address)
         if ep is None:
             ep = self._conns[address] = connect(address)
@@ -402,12 +467,26 @@ class PullClient:
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
+        self._asked[rid] = (address, ref.pid)
         try:
             await ep.send(encode_msg("pull", {"r": rid, "h": ref.handle}))
             data: bytes | memoryview = await fut
             return data
+        except DataError as exc:
+            if (address, ref.pid) in self._lost:
+                raise _lost_error(address, ref) from exc
+            raise
         finally:
             self._waiting.pop(rid, None)
+            self._asked.pop(rid, None)
+
+    def lost(self, address: str, pid: int) -> None:
+        """The producer at ``address`` (process ``pid``) is gone: fail its pulls, now and later."""
+        self._lost.add((address, pid))
+        for rid, where in list(self._asked.items()):
+            fut = self._waiting.get(rid)
+            if where == (address, pid) and fut is not None and not fut.done():
+                fut.set_exception(DataError(f"producer {address} (pid {pid}) was lost"))
 
     async def _read(self, ep: Any) -> None:
         from omniflow._exceptions import RuntimeClosedError

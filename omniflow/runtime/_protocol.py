@@ -8,13 +8,24 @@ the front exactly as an in-process method returned them, tuples and objects incl
     hello  {}                                ready  {replica, roles, pid}
     run    {c, a, n, k, s, g, q, gr}         frame  {c, a, f}          (any number)
     cancel {c, a}                            done   {c, a, e}          (exactly one per run)
+    release {refs}     end_call {c}     source_lost {addr, pid}
+    stats  {r}                               stats  {r, replica, pid, plane}
     close_session {s}
     stop   {}                                bye    {}
+
+    consumer worker -> producer worker (the zmq connector, on the producer's endpoint)
+    pull   {r, h}                            pulled {r, data}  or  pull_failed {r, error}
 
 ``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
 ``g`` OR group, ``q`` SeqId index, ``gr`` graph, ``f`` frame dict, ``e`` error or None:
 ``{"t": exception type, "m": message, "cancel": bool}``. Frames of one activation and its
 ``done`` travel on one connection, so they arrive in the order they were sent.
+
+Data plane: a ``run`` may also carry ``off`` (outputs to put in the worker's pool), ``th``
+(the front's offload threshold, when not the default) and ``conn`` (source node ->
+connector). ``release`` frees blocks whose last consumer finished, ``end_call`` drops what a
+finished call still holds, ``source_lost`` fails pulls from a producer that died, and
+``stats`` answers ``DataPlane.statistics()``; ``h`` is a BlockHandle, ``data`` its bytes.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import NodeError, OmniflowError, RuntimeClosedError, TransportError
-from omniflow.data._plane import DataPlane, DataRef
+from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane, DataRef
 from omniflow.runtime._protocol import decode_msg, encode_msg
 from omniflow.transport import connect
 
@@ -157,6 +157,8 @@ class _Replica:
     exit_code: int | None = None
     #: Absent from the last registry snapshot (a registry-found replica on probation).
     missing: bool = False
+    #: Process id the worker reported in "ready" (its data-plane refs carry it).
+    pid: int | None = None
 
 
 class _RemoteHandle:
@@ -197,6 +199,13 @@ class RemoteRoles:
         self._connectors = connectors or {}
         #: (call id, aid) -> refs the front put in its own pool for that remote activation.
         self._front_refs: dict[tuple[str, int], list[DataRef]] = {}
+        #: The front's offload threshold, sent with each run that offloads (None: the default).
+        self._threshold = (
+            plane.threshold if plane is not None and plane.threshold != DEFAULT_THRESHOLD else None
+        )
+        #: Request id -> future of a worker's "stats" answer.
+        self._stats_waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._stats_ids = itertools.count(1)
         self.registry_url = registry
         self.heartbeat_interval = heartbeat_interval
         self.start_timeout = start_timeout
@@ -347,6 +356,8 @@ class RemoteRoles:
         off = self._offload.get((call.graph, act.node))
         if off:
             body["off"] = off
+            if self._threshold is not None:
+                body["th"] = self._threshold
         conn = self._connectors.get(act.node)
         if conn:
             body["conn"] = conn
@@ -474,7 +485,12 @@ class RemoteRoles:
             elif kind == "done":
                 self._replica_done(rep, (body["c"], body["a"]), body["e"])
             elif kind == "ready" and rep.ready is not None and not rep.ready.done():
+                rep.pid = body.get("pid")
                 rep.ready.set_result(None)
+            elif kind == "stats":
+                fut = self._stats_waiting.pop(body["r"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(body)
 
     def _replica_done(
         self, rep: _Replica, key: tuple[str, int], err: dict[str, Any] | None
@@ -567,6 +583,12 @@ class RemoteRoles:
         if rep.ready is not None and not rep.ready.done():
             rep.ready.set_exception(OmniflowError(f"worker {rep.replica_id} died before ready"))
         logger.warning("replica %s lost: %s", rep.replica_id, why)
+        if rep.pid is not None:
+            # Its pool is gone: consumers pulling from it over ZMQ would wait forever.
+            lost = encode_msg("source_lost", {"addr": rep.address, "pid": rep.pid})
+            for other in self._replicas.values():
+                if other.alive:
+                    other.out.put_nowait(lost)
         for key in sorted(rep.held):
             p = self._pending.get(key)
             if p is None:
@@ -587,6 +609,35 @@ class RemoteRoles:
             "replicas": sum(1 for r in self._replicas.values() if r.alive),
             "remote_inflight": len(self._pending),
         }
+
+    async def data_plane_stats(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
+        """Each live replica's ``DataPlane.statistics()`` (plus its ``pid``), by replica id.
+
+        A ``stats`` request rides the same connection as the replica's ``run``, ``release``
+        and ``end_call`` messages, so the answer reflects every one sent before it. A replica
+        that does not answer within ``timeout`` is left out.
+        """
+        loop = asyncio.get_running_loop()
+        asked: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
+        for rep in self._replicas.values():
+            if rep.alive and rep.endpoint is not None:
+                rid = next(self._stats_ids)
+                fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+                asked[rid] = (rep.replica_id, fut)
+                self._stats_waiting[rid] = fut
+                rep.out.put_nowait(encode_msg("stats", {"r": rid}))
+        try:
+            if asked:
+                await asyncio.wait([f for _, f in asked.values()], timeout=timeout)
+        finally:
+            for rid in asked:
+                self._stats_waiting.pop(rid, None)
+        out: dict[str, dict[str, int]] = {}
+        for name, fut in asked.values():
+            if fut.done():
+                body = fut.result()
+                out[name] = {**body["plane"], "pid": body["pid"]}
+        return out
 
 
 def resolve_connectors(

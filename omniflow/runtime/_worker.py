@@ -216,6 +216,15 @@ class Worker:
                 self._send(peer, "pulled", {"r": body["r"], "data": data})
             except Exception as exc:
                 self._send(peer, "pull_failed", {"r": body["r"], "error": str(exc)})
+        elif kind == "stats":
+            self._send(
+                peer,
+                "stats",
+                {"r": body["r"], "replica": self.replica_id, "pid": os.getpid(),
+                 "plane": self.plane.statistics()},
+            )  # fmt: skip
+        elif kind == "source_lost":
+            self._puller.lost(body["addr"], body["pid"])
         elif kind == "close_session":
             self._session_params.pop(body["s"], None)
         elif kind == "stop":
@@ -285,7 +294,7 @@ class Worker:
         c, a, node = body["c"], body["a"], body["n"]
         off = body.get("off")
         if off:
-            self._offload[(peer, c, a)] = (node, off)
+            self._offload[(peer, c, a)] = (node, off, body.get("th"))
         method = self._methods.get(node)
         if method is None:
             self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
@@ -372,7 +381,9 @@ class Worker:
         off = self._offload.get((peer, c, a))
         if off is not None and isinstance(frame, dict):
             try:
-                frame = self.plane.offload(off[0], c, a, next(self._payloads), frame, off[1])
+                frame = self.plane.offload(
+                    off[0], c, a, next(self._payloads), frame, off[1], off[2]
+                )
             except Exception as exc:
                 raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
         try:

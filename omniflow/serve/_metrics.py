@@ -12,6 +12,16 @@ Rendered by hand (the format is a few lines of text per sample; no client librar
     omniflow_open_buckets                           gauge     from rt.stats()
     omniflow_inflight_activations                   gauge     from rt.stats()
     omniflow_active_calls                           gauge     from rt.stats()
+    omniflow_data_plane_held_bytes                  gauge     bytes of data-plane blocks that
+                                                              running calls hold (rt.stats())
+    omniflow_data_pool_capacity_bytes               gauge     the front's buffer pool (0 until
+                                                              it is first used; only a
+                                                              multi-process placement has one),
+                                                              from rt.data_plane_stats()
+    omniflow_data_pool_used_bytes                   gauge     bytes of its live blocks
+    omniflow_data_pool_live_blocks                  gauge     its live blocks
+    omniflow_data_pool_fallbacks_total              counter   values too big for the pool that
+                                                              rode the control message inline
     omniflow_http_requests_total{code}              counter   responses by status (499: the
                                                               client left before a response)
     omniflow_http_calls_inflight                    gauge     calls admitted and responding
@@ -134,6 +144,24 @@ def _runtime_families(w: _Writer, rt: Runtime) -> None:
     )
 
 
+def _data_plane_families(w: _Writer, rt: Runtime, stats: dict[str, int]) -> None:
+    held = stats.get("data_plane_bytes", 0)
+    w.simple("omniflow_data_plane_held_bytes", "gauge",
+             "Bytes of data-plane blocks held by running calls.", [({}, held)])  # fmt: skip
+    pool = rt.data_plane_stats()
+    for key, name, kind, help_ in (
+        ("pool_capacity_bytes", "omniflow_data_pool_capacity_bytes", "gauge",
+         "Capacity of this process's shared-memory buffer pool (0 until first used)."),
+        ("pool_used_bytes", "omniflow_data_pool_used_bytes", "gauge",
+         "Bytes of live blocks in this process's buffer pool."),
+        ("pool_live_blocks", "omniflow_data_pool_live_blocks", "gauge",
+         "Live blocks in this process's buffer pool."),
+        ("pool_fallbacks", "omniflow_data_pool_fallbacks_total", "counter",
+         "Values too big for the pool that rode the control message inline."),
+    ):  # fmt: skip
+        w.simple(name, kind, help_, [({}, pool[key])])
+
+
 def render(rt: Runtime, http: HttpMetrics, *, inflight: int, draining: bool) -> str:
     """The whole exposition, ending with a newline."""
     w = _Writer()
@@ -145,6 +173,7 @@ def render(rt: Runtime, http: HttpMetrics, *, inflight: int, draining: bool) -> 
         ("active_calls", "omniflow_active_calls", "Calls started or queued, not yet ended."),
     ):
         w.simple(name, "gauge", help_, [({}, stats[key])])
+    _data_plane_families(w, rt, stats)
     w.simple(
         "omniflow_http_requests_total",
         "counter",
