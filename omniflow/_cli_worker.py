@@ -37,6 +37,14 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument(
         "--heartbeat", type=float, default=1.0, help="registry heartbeat interval in seconds"
     )
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let running activations finish before cancelling them",
+    )
+    # Set by a front that spawns the worker: leave when that process is gone.
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=_run)
 
 
@@ -56,4 +64,6 @@ def _run(args: argparse.Namespace) -> int:
         replica_id=args.replica_id,
         registry=args.registry,
         heartbeat_interval=args.heartbeat,
+        drain_timeout=args.drain,
+        parent_pid=args.parent_pid,
     )

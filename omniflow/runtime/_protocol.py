@@ -11,7 +11,8 @@ the front exactly as an in-process method returned them, tuples and objects incl
     release {refs}     end_call {c}     source_lost {addr, pid}
     stats  {r}                               stats  {r, replica, pid, plane}
     close_session {s}
-    stop   {}                                bye    {}
+    stop   {}                                bye    {}          (leaving; repeated while
+    bye    {}          (answer to its bye)                 it drains)
 
     consumer worker -> producer worker (the zmq connector, on the producer's endpoint)
     pull   {r, h}                            pulled {r, data}  or  pull_failed {r, error}
@@ -20,6 +21,12 @@ the front exactly as an in-process method returned them, tuples and objects incl
 ``g`` OR group, ``q`` SeqId index, ``gr`` graph, ``f`` frame dict, ``e`` error or None:
 ``{"t": exception type, "m": message, "cancel": bool}``. Frames of one activation and its
 ``done`` travel on one connection, so they arrive in the order they were sent.
+
+Leaving (SIGTERM or ``stop``): the worker deregisters, says ``bye`` to every front that
+said ``hello`` and keeps serving; each front stops routing to it and answers ``bye``
+once, behind every ``run`` it sent, so the worker exits when all answered (or a second
+passed) and its running activations ended. A ``run`` whose fields do not have the types
+above is dropped with a warning, like any malformed message.
 
 Data plane: a ``run`` may also carry ``off`` (outputs to put in the worker's pool), ``th``
 (the front's offload threshold, when not the default) and ``conn`` (source node ->

@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import sys
 import tempfile
 import zlib
@@ -76,6 +77,12 @@ class Deploy:
         return f"Deploy({self.roles!r})"
 
 
+def _rendezvous(session: str, live: list[_Replica]) -> _Replica:
+    """Highest-random-weight choice: every front that sees the same replicas picks the same
+    one, whatever the order it learnt them in (fewer pin conflicts to settle)."""
+    return max(live, key=lambda r: zlib.crc32(f"{session}\0{r.replica_id}".encode()))
+
+
 @dataclass
 class ProcessSpec:
     """One group of roles that runs as ``replicas`` worker processes."""
@@ -101,6 +108,8 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
             "omniflow.Deploy({...})"
         )
     groups: dict[str, ProcessSpec] = {}
+    #: process name -> the role whose options gave the group its replica count.
+    stated: dict[str, str] = {}
     for role, opts in wanted.items():
         if role not in role_modules:
             raise OmniflowError(
@@ -114,16 +123,21 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
                 "__main__; define the graph at module level in an importable module or .py file"
             )
         pname = str(opts.get("process", role))
-        n = int(opts.get("replicas", 1))
+        n = opts.get("replicas")
         spec = groups.get(pname)
         if spec is None:
-            groups[pname] = ProcessSpec(pname, [role], n, [module])
-            continue
-        if spec.replicas != n and "replicas" in opts:
-            raise OmniflowError(
-                f"Deploy: roles of process '{pname}' disagree on replicas "
-                f"({spec.replicas} vs {n}); a process group is replicated as a whole"
-            )
+            spec = groups[pname] = ProcessSpec(pname, [], 1, [])
+        if n is not None:
+            # A role that does not say how many replicas joins its group's count, whatever
+            # the order of the Deploy dict; two roles that say different counts disagree.
+            if pname in stated and spec.replicas != n:
+                raise OmniflowError(
+                    f"Deploy: roles of process '{pname}' disagree on replicas "
+                    f"({spec.replicas} vs {n}: roles '{stated[pname]}' and '{role}'); a "
+                    "process group is replicated as a whole, so state it on one role"
+                )
+            spec.replicas = int(n)
+            stated[pname] = role
         spec.roles.append(role)
         if module not in spec.modules:
             spec.modules.append(module)
@@ -157,6 +171,10 @@ class _Replica:
     exit_code: int | None = None
     #: Absent from the last registry snapshot (a registry-found replica on probation).
     missing: bool = False
+    #: Said ``bye``: it gets nothing new and finishes what it holds, then exits.
+    leaving: bool = False
+    #: Loop time of its last ``bye`` (a leaving replica repeats it while it drains).
+    last_bye: float = 0.0
     #: Process id the worker reported in "ready" (its data-plane refs carry it).
     pid: int | None = None
 
@@ -218,6 +236,13 @@ class RemoteRoles:
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._rr: dict[str, itertools.count[int]] = {r: itertools.count() for r in self.roles}
         self._affinity: dict[tuple[str, str], str] = {}
+        #: (session, role) -> runs waiting for the registry to settle the session's pin.
+        self._pinning: dict[tuple[str, str], list[tuple[tuple[str, int], Any]]] = {}
+        #: Pin settlements and adoptions under way (cancelled at close).
+        self._background: set[asyncio.Task[Any]] = set()
+        #: Makes this front's replica ids unique in a shared registry: two fronts on one
+        #: host, or in one process, or on two hosts whose pids collide.
+        self._token = f"{os.getpid()}-{secrets.token_hex(3)}"
         self._call_replicas: dict[str, set[_Replica]] = {}
         self._registry: ServiceRegistry | None = None
         self._watchers: list[asyncio.Task[Any]] = []
@@ -238,7 +263,7 @@ class RemoteRoles:
         starts = []
         for spec in self.processes:
             for i in range(spec.replicas):
-                rid = f"{spec.name}-{i}-{os.getpid()}"
+                rid = f"{spec.name}-{i}-{self._token}"
                 address = f"ipc://{self._tmp}/w{next(n)}.sock"
                 starts.append(self._spawn(spec, rid, address))
         try:
@@ -255,7 +280,9 @@ class RemoteRoles:
         cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
         for role in spec.roles:
             cmd += ["--role", role]
-        cmd += ["--bind", address, "--replica-id", rid]
+        # --parent-pid: the worker leaves when this process is gone (it runs in a session
+        # of its own, so nothing else would stop it after a crash of the front).
+        cmd += ["--bind", address, "--replica-id", rid, "--parent-pid", str(os.getpid())]
         if self.registry_url:
             cmd += ["--registry", self.registry_url, "--heartbeat", str(self.heartbeat_interval)]
         # A session of its own: Ctrl-C in the front's terminal must not kill the workers
@@ -271,17 +298,21 @@ class RemoteRoles:
     async def _connect(self, rep: _Replica) -> None:
         loop = asyncio.get_running_loop()
         rep.endpoint = connect(rep.address)
-        rep.ready = loop.create_future()
+        if rep.ready is None:
+            rep.ready = loop.create_future()
         rep.tasks.append(loop.create_task(self._write(rep)))
         rep.tasks.append(loop.create_task(self._read(rep)))
         rep.out.put_nowait(encode_msg("hello", {}))
         await rep.ready
-        for role in rep.roles:
-            self._by_role.setdefault(role, []).append(rep)
+        if rep.alive and not rep.leaving:  # a worker that is leaving says bye at once
+            for role in rep.roles:
+                self._by_role.setdefault(role, []).append(rep)
 
     async def close(self) -> None:
         self._closing = True
         for task in self._watchers:
+            task.cancel()
+        for task in list(self._background):
             task.cancel()
         for rep in list(self._replicas.values()):
             if rep.alive and rep.endpoint is not None and rep.process is not None:
@@ -334,14 +365,17 @@ class RemoteRoles:
         if spec.lb == "broadcast":
             targets = live
         elif spec.lb == "session" and call.session is not None:
-            targets = [self._pick_session(call.session, role, live)]
+            picked = self._pick_session(call.session, role, live)
+            targets = [] if picked is None else [picked]
         else:
             targets = [live[next(self._rr[role]) % len(live)]]
         key = (call.call_id, act.aid)
         self._pending[key] = _Pending(call, core, act, list(targets))
         act.task = _RemoteHandle(self, key)
         kwargs = act.kwargs
-        if self.plane is not None and all(r.address.startswith("ipc://") for r in targets):
+        # A run waiting for its session's pin may go to any live replica.
+        local = all(r.address.startswith("ipc://") for r in (targets or live))
+        if self.plane is not None and local:
             kwargs = self._offload_inputs(key, act.node, kwargs)
         body = {
             "c": call.call_id,
@@ -377,29 +411,108 @@ class RemoteRoles:
                 ),
             )
             return
-        if core.c.plan.params:
-            self._call_replicas.setdefault(call.call_id, set()).update(targets)
+        if not targets:  # the session's first run from here: settle its pin first
+            assert call.session is not None
+            self._defer(call.session, role, key, frames)
+            return
+        self._send_run(key, frames, targets)
+
+    def _send_run(self, key: tuple[str, int], frames: Any, targets: list[_Replica]) -> None:
+        if self._pending[key].core.c.plan.params:
+            self._call_replicas.setdefault(key[0], set()).update(targets)
         for rep in targets:
             rep.held.add(key)
             rep.out.put_nowait(frames)
 
-    def _pick_session(self, session: str, role: str, live: list[_Replica]) -> _Replica:
-        """Session affinity: keep a session on one replica; re-pin when that one is gone."""
+    def _routable(self, role: str) -> list[_Replica]:
+        return [r for r in self._by_role.get(role, ()) if r.alive]
+
+    def _pick_session(self, session: str, role: str, live: list[_Replica]) -> _Replica | None:
+        """Session affinity: the replica ``session`` is pinned to, or None while the pin must
+        first be settled through the shared registry.
+
+        With a registry every front routes a session the same way: the first run of a session
+        from this front (or the first after its replica went away) waits for
+        ``pin_affinity``, an atomic compare-and-set in the registry, and goes where it says;
+        later runs use the local copy of the pin without a round trip. Without a registry
+        (one front) the pin is local.
+        """
         rid = self._affinity.get((session, role))
-        for rep in live:
-            if rep.replica_id == rid:
-                return rep
-        rep = live[zlib.crc32(session.encode()) % len(live)]
-        self._affinity[(session, role)] = rep.replica_id
+        if rid is not None:
+            for rep in live:
+                if rep.replica_id == rid:
+                    return rep
         if self._registry is not None:
-            asyncio.get_running_loop().create_task(self._share_pin(session, role, rep, rid))
+            return None
+        rep = _rendezvous(session, live)
+        self._affinity[(session, role)] = rep.replica_id
         return rep
 
-    async def _share_pin(self, session: str, role: str, rep: _Replica, old: str | None) -> None:
+    def _defer(self, session: str, role: str, key: tuple[str, int], frames: Any) -> None:
+        waiting = self._pinning.get((session, role))
+        if waiting is None:
+            waiting = self._pinning[(session, role)] = []
+            self._in_background(self._settle_pin(session, role))
+        waiting.append((key, frames))
+
+    async def _settle_pin(self, session: str, role: str) -> None:
+        """Pin ``session`` for ``role`` in the registry, then send the runs that waited."""
+        rep: _Replica | None
+        try:
+            rep = await self._resolve_pin(session, role)
+        except (OmniflowError, OSError) as exc:  # registry down: pin locally for now
+            logger.warning("session %r: registry pin failed, routing locally: %s", session, exc)
+            live = self._routable(role)
+            rep = _rendezvous(session, live) if live else None
+        waiting = self._pinning.pop((session, role), [])
+        if rep is not None:
+            self._affinity[(session, role)] = rep.replica_id
+        for key, frames in waiting:
+            p = self._pending.get(key)
+            if p is None or isinstance(p.error, asyncio.CancelledError):
+                continue  # cancelled while it waited; _cancel finishes it
+            if rep is None or not rep.alive:
+                p.error = NodeError(
+                    p.act.node,
+                    f"no live replica of role '{role}' (every worker of it is gone)",
+                    call_id=p.call.call_id,
+                    graph=p.call.graph,
+                )
+                self._replica_done(None, key, None)
+                continue
+            p.replicas.append(rep)
+            self._send_run(key, frames, [rep])
+
+    async def _resolve_pin(self, session: str, role: str) -> _Replica | None:
+        """The replica the registry pins ``session`` to: this front's choice unless another
+        front pinned it first; a pin to a replica that is gone is replaced (compare-and-set,
+        so two fronts that both find it gone still agree)."""
         assert self._registry is not None
-        with contextlib.suppress(Exception):
-            winner = await self._registry.pin_affinity(session, role, rep.replica_id, replace=old)
-            self._affinity[(session, role)] = winner
+        old = self._affinity.get((session, role))
+        for _ in range(3):
+            live = self._routable(role)
+            if not live:
+                return None
+            mine = _rendezvous(session, live).replica_id
+            winner = await self._registry.pin_affinity(session, role, mine, replace=old)
+            rep = self._replicas.get(winner)
+            if rep is None:  # registered, perhaps not adopted here yet
+                listed = {r.replica_id: r for r in await self._registry.replicas(role)}
+                if winner in listed:
+                    rep = self._adopt(role, winner, listed[winner].address)
+            if rep is not None and rep.ready is not None and not rep.ready.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(rep.ready), self.start_timeout)
+            if rep is not None and rep.alive and rep in self._by_role.get(role, ()):
+                return rep
+            old = winner  # pinned to a replica that is gone or leaving: move the session
+        return None
+
+    def _in_background(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _offload_inputs(
         self, key: tuple[str, int], node: str, kwargs: dict[str, Any]
@@ -446,6 +559,11 @@ class RemoteRoles:
         p = self._pending.get(key)
         if p is None:
             return
+        if not p.replicas:  # still waiting for its session's pin: it was never sent
+            if not isinstance(p.error, asyncio.CancelledError):
+                p.error = asyncio.CancelledError()
+                asyncio.get_running_loop().call_soon(self._replica_done, None, key, None)
+            return
         frames = encode_msg("cancel", {"c": key[0], "a": key[1]})
         for rep in p.replicas:
             if rep.alive:
@@ -484,6 +602,8 @@ class RemoteRoles:
                     self._on_frame(p.call, p.core, p.act, frame)
             elif kind == "done":
                 self._replica_done(rep, (body["c"], body["a"]), body["e"])
+            elif kind == "bye":
+                self._on_bye(rep)
             elif kind == "ready" and rep.ready is not None and not rep.ready.done():
                 rep.pid = body.get("pid")
                 rep.ready.set_result(None)
@@ -493,9 +613,10 @@ class RemoteRoles:
                     fut.set_result(body)
 
     def _replica_done(
-        self, rep: _Replica, key: tuple[str, int], err: dict[str, Any] | None
+        self, rep: _Replica | None, key: tuple[str, int], err: dict[str, Any] | None
     ) -> None:
-        rep.held.discard(key)
+        if rep is not None:
+            rep.held.discard(key)
         p = self._pending.get(key)
         if p is None:
             return
@@ -520,6 +641,21 @@ class RemoteRoles:
                     self.plane.release(ref)
             self._on_done(p.call, p.core, p.act, p.error)
 
+    def _on_bye(self, rep: _Replica) -> None:
+        """The replica is leaving (scale-down): route nothing new to it and let it finish what
+        it holds. The first ``bye`` is answered with ``bye``: it follows every run this front
+        sent there on the same connection, so after it the worker knows nothing more comes."""
+        rep.last_bye = asyncio.get_running_loop().time()
+        if rep.leaving:
+            return  # a repeat while it drains: it is alive
+        rep.leaving = True
+        for reps in self._by_role.values():
+            if rep in reps:
+                reps.remove(rep)
+        logger.info("replica %s is leaving, finishing %d runs", rep.replica_id, len(rep.held))
+        if rep.alive:
+            rep.out.put_nowait(encode_msg("bye", {}))
+
     async def _reap(self, rep: _Replica) -> None:
         assert rep.process is not None
         code = await rep.process.wait()
@@ -532,8 +668,12 @@ class RemoteRoles:
 
         Replicas this front spawned are watched through their processes, not the registry, so
         a Redis restart (an empty registry until workers re-register, within one heartbeat
-        interval) cannot fail their calls. A replica found elsewhere that vanishes gets one
-        heartbeat interval of grace before it counts as lost.
+        interval) cannot fail their calls. A replica found elsewhere that vanishes gets two
+        heartbeat intervals of grace (one to re-register after a restart, one for this watch
+        to see it) before it counts as lost: with the default ttl of three intervals, a killed
+        worker is lost within ``ttl + watch interval + grace`` = 6 intervals, under two ttls
+        plus one watch interval. New replicas are connected in the background, so one that
+        does not answer never holds up the watch.
         """
         assert self._registry is not None
         from omniflow._exceptions import RegistryError
@@ -544,34 +684,55 @@ class RemoteRoles:
                 async with self._registry.watch(role) as watch:
                     async for snapshot in watch:
                         present = {r.replica_id: r for r in snapshot.replicas}
-                        for rep in list(self._by_role.get(role, ())):
-                            if rep.process is None and rep.replica_id not in present:
-                                loop.call_later(
-                                    self.heartbeat_interval, self._check_missing, role, rep
-                                )
-                            rep.missing = rep.replica_id not in present
+                        for rep in list(self._replicas.values()):
+                            if rep.process is not None or not rep.alive or role not in rep.roles:
+                                continue
+                            missing = rep.replica_id not in present
+                            if missing and not rep.missing:
+                                grace = 2 * self.heartbeat_interval
+                                loop.call_later(grace, self._check_missing, rep)
+                            rep.missing = missing
                         for rid, replica in present.items():
                             if rid not in self._replicas:
-                                await self._adopt(role, rid, replica.address)
+                                self._adopt(role, rid, replica.address)
                             elif role not in self._replicas[rid].roles:
                                 self._replicas[rid].roles.append(role)
             except RegistryError as exc:
                 logger.warning("registry unreachable while watching %s: %s", role, exc)
                 await asyncio.sleep(self.heartbeat_interval)
 
-    async def _adopt(self, role: str, rid: str, address: str) -> None:
+    def _adopt(self, role: str, rid: str, address: str) -> _Replica:
+        """Start connecting to a replica found in the registry (in the background)."""
         rep = _Replica(rid, [role], address)
+        rep.ready = asyncio.get_running_loop().create_future()
         self._replicas[rid] = rep
+        self._in_background(self._connect_adopted(rep))
+        return rep
+
+    async def _connect_adopted(self, rep: _Replica) -> None:
         try:
             await asyncio.wait_for(self._connect(rep), self.start_timeout)
         except (TimeoutError, TransportError, OmniflowError) as exc:
             self._lost(rep, f"it did not answer ({exc!r})")
-            del self._replicas[rid]
 
-    def _check_missing(self, role: str, rep: _Replica) -> None:
-        if rep.alive and rep.missing and not self._closing:
-            self._lost(rep, "it stopped heartbeating (gone from the registry)")
-            self._replicas.pop(rep.replica_id, None)
+    def _check_missing(self, rep: _Replica) -> None:
+        if not rep.alive or not rep.missing or self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        if rep.leaving and rep.held and loop.time() - rep.last_bye < 3 * self.heartbeat_interval:
+            # Deregistered on purpose and still finishing runs (its repeated byes say it lives).
+            loop.call_later(self.heartbeat_interval, self._check_missing, rep)
+            return
+        self._lost(rep, "it stopped heartbeating (gone from the registry)")
+
+    def _discard(self, rep: _Replica) -> None:
+        """Forget a lost registry-found replica: stop its tasks, close its socket."""
+        if self._replicas.get(rep.replica_id) is rep:
+            del self._replicas[rep.replica_id]
+        for task in rep.tasks:
+            task.cancel()
+        if rep.endpoint is not None:
+            rep.endpoint.close()
 
     def _lost(self, rep: _Replica, why: str) -> None:
         if not rep.alive:
@@ -582,7 +743,11 @@ class RemoteRoles:
                 reps.remove(rep)
         if rep.ready is not None and not rep.ready.done():
             rep.ready.set_exception(OmniflowError(f"worker {rep.replica_id} died before ready"))
-        logger.warning("replica %s lost: %s", rep.replica_id, why)
+            rep.ready.exception()  # retrieved: nobody may be waiting any more
+        if rep.leaving and not rep.held:
+            logger.info("replica %s left (%s)", rep.replica_id, why)
+        else:
+            logger.warning("replica %s lost: %s", rep.replica_id, why)
         if rep.pid is not None:
             # Its pool is gone: consumers pulling from it over ZMQ would wait forever.
             lost = encode_msg("source_lost", {"addr": rep.address, "pid": rep.pid})
@@ -603,10 +768,13 @@ class RemoteRoles:
                 )
             self._replica_done(rep, key, None)
         rep.held.clear()
+        if rep.process is None:  # nothing else would close a registry-found replica
+            asyncio.get_running_loop().call_soon(self._discard, rep)
 
     def statistics(self) -> dict[str, int]:
         return {
-            "replicas": sum(1 for r in self._replicas.values() if r.alive),
+            # Connected, not leaving: what calls can be routed to.
+            "replicas": len({id(r) for reps in self._by_role.values() for r in reps if r.alive}),
             "remote_inflight": len(self._pending),
         }
 

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,13 +67,23 @@ class Worker:
         replica_id: str | None = None,
         registry: str | None = None,
         heartbeat_interval: float = 1.0,
+        drain_timeout: float = 30.0,
+        parent_pid: int | None = None,
     ) -> None:
         self.modules = list(modules)
         self.role_names = list(roles)
         self.address = address
-        self.replica_id = replica_id or f"{'+'.join(self.role_names)}-{os.getpid()}"
+        # The host name too: two containers each running a worker as pid 1 must not share
+        # a replica id in the registry.
+        self.replica_id = (
+            replica_id or f"{'+'.join(self.role_names)}-{socket.gethostname()}-{os.getpid()}"
+        )
         self.registry_url = registry
         self.heartbeat_interval = heartbeat_interval
+        #: Longest wait, when leaving, for running activations to finish.
+        self.drain_timeout = drain_timeout
+        #: The front that spawned this worker (None: started by hand); gone -> leave.
+        self.parent_pid = parent_pid
         self._methods: dict[str, Any] = {}
         self._generators: set[str] = set()
         self._roles: list[Any] = []
@@ -82,6 +93,11 @@ class Worker:
         self._running: dict[_Key, Any] = {}
         self._out: asyncio.Queue[tuple[bytes | None, list[Any]] | None] = asyncio.Queue()
         self._stop = asyncio.Event()
+        #: Fronts that said hello (they get a bye when this worker leaves).
+        self._peers: set[bytes | None] = set()
+        #: Fronts that have not answered our bye yet.
+        self._unacked: set[bytes | None] = set()
+        self._leaving = False
         #: Fields each running activation offloads to the data plane.
         self._offload: dict[_Key, Any] = {}
         self._payloads = itertools.count()
@@ -141,7 +157,11 @@ class Worker:
                 loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             writer = loop.create_task(self._write(endpoint))
             reader = loop.create_task(self._read(endpoint))
+            orphaned = loop.create_task(self._watch_parent()) if self.parent_pid else None
             await self._stop.wait()
+            if orphaned is not None:
+                orphaned.cancel()
+            await self._leave(registry)
             reader.cancel()
             for task in list(self._running.values()):
                 task.cancel()
@@ -165,6 +185,50 @@ class Worker:
                 except Exception:
                     logger.exception("teardown of %s failed", type(role).__name__)
 
+    async def _watch_parent(self) -> None:
+        """Leave when the front that spawned this worker is gone (killed, crashed)."""
+        while os.getppid() == self.parent_pid:
+            await asyncio.sleep(0.25)
+        logger.warning("worker %s: its front (pid %s) is gone; leaving", self.replica_id,
+                       self.parent_pid)  # fmt: skip
+        self._stop.set()
+
+    async def _leave(self, registry: Any) -> None:
+        """Leave without failing anyone's work (SIGTERM, or ``stop`` from the front).
+
+        Deregister first, so no front picks this worker any more; then say ``bye`` to every
+        front: each stops routing here and answers ``bye``, which travels behind every run it
+        sent, so after it nothing new comes from that front. Serve on until every front
+        answered (at most a second: one that does not answer is gone) and every running
+        activation ended (at most ``drain_timeout``), repeating ``bye`` every heartbeat
+        interval to fronts that wait for work here, so they know it is alive.
+        """
+        if registry is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(registry.close(), 5)
+        self._leaving = True
+        self._unacked = set(self._peers)
+        for peer in self._unacked:
+            self._send(peer, "bye", {})
+        loop = asyncio.get_running_loop()
+        start = last_bye = loop.time()
+        while loop.time() - start < self.drain_timeout:
+            if loop.time() - start > 1.0:
+                self._unacked.clear()
+            if not self._unacked and not self._running:
+                return
+            if loop.time() - last_bye >= self.heartbeat_interval:
+                last_bye = loop.time()
+                for peer in {key[0] for key in self._running}:
+                    self._send(peer, "bye", {})
+            await asyncio.sleep(0.01)
+        logger.warning(
+            "worker %s: %d activations still running after %ss; cancelling them",
+            self.replica_id,
+            len(self._running),
+            self.drain_timeout,
+        )
+
     async def _write(self, endpoint: Any) -> None:
         while True:
             item = await self._out.get()
@@ -175,6 +239,8 @@ class Worker:
                 await endpoint.send(frames, peer=peer)
             except TransportError:
                 logger.warning("worker %s: a front went away", self.replica_id)
+                self._peers.discard(peer)
+                self._unacked.discard(peer)
 
     async def _read(self, endpoint: Any) -> None:
         while True:
@@ -193,17 +259,20 @@ class Worker:
 
     def _handle(self, peer: bytes | None, kind: str, body: Any) -> None:
         if kind == "run":
-            self._start(peer, body)
+            self._start(peer, _checked_run(body))
         elif kind == "cancel":
             task = self._running.get((peer, body["c"], body["a"]))
             if task is not None:
                 task.cancel()
         elif kind == "hello":
+            self._peers.add(peer)
             self._send(
                 peer,
                 "ready",
                 {"replica": self.replica_id, "roles": self.role_names, "pid": os.getpid()},
             )
+            if self._leaving:
+                self._send(peer, "bye", {})
         elif kind == "end_call":
             self._call_params.pop(body["c"], None)
             self.plane.cleanup(body["c"])
@@ -229,6 +298,8 @@ class Worker:
             self._session_params.pop(body["s"], None)
         elif kind == "stop":
             self._stop.set()
+        elif kind == "bye":
+            self._unacked.discard(peer)
         else:
             raise TransportError(f"unknown message kind {kind!r}")
 
@@ -403,6 +474,27 @@ class Worker:
         self._send(peer, "done", {"c": c, "a": a, "e": err})
 
 
+#: Field -> type of a ``run`` body (``s``, the session, is a str or None).
+_RUN_FIELDS: dict[str, type] = {
+    "c": str, "a": int, "n": str, "k": dict, "g": int, "q": int, "gr": str,
+}  # fmt: skip
+
+
+def _checked_run(body: Any) -> dict[str, Any]:
+    """``body`` if it is a well-formed ``run``; else TransportError (the message is dropped)."""
+    if not isinstance(body, dict):
+        raise TransportError(f"malformed run: a {type(body).__name__} body, not a dict")
+    for name, typ in _RUN_FIELDS.items():
+        value = body.get(name)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise TransportError(f"malformed run: {name!r} must be a {typ.__name__}: {value!r:.80}")
+    if body.get("s") is not None and not isinstance(body["s"], str):
+        raise TransportError(f"malformed run: 's' must be a str or None: {body['s']!r:.80}")
+    if not all(isinstance(k, str) for k in body["k"]):
+        raise TransportError("malformed run: 'k' must map argument names (str) to values")
+    return body
+
+
 def run_worker(
     modules: list[str],
     roles: list[str],
@@ -411,6 +503,8 @@ def run_worker(
     replica_id: str | None = None,
     registry: str | None = None,
     heartbeat_interval: float = 1.0,
+    drain_timeout: float = 30.0,
+    parent_pid: int | None = None,
 ) -> int:
     """Entry point of ``omniflow worker``: serve until SIGTERM or a ``stop`` message."""
 
@@ -422,6 +516,8 @@ def run_worker(
             replica_id=replica_id,
             registry=registry,
             heartbeat_interval=heartbeat_interval,
+            drain_timeout=drain_timeout,
+            parent_pid=parent_pid,
         )
         await worker.run()
 

@@ -1,0 +1,386 @@
+"""The multi-process runtime: cross-process hop latency, a 3-process stream, replica scaling.
+
+    .venv/bin/python benchmarks/bench_multiprocess.py            # ~1 min on 2 cores
+    .venv/bin/python benchmarks/bench_multiprocess.py --quick    # ~25 s
+    .venv/bin/python benchmarks/bench_multiprocess.py --no-profile
+
+1. **hop**: a 1-node graph (``x -> hop.run -> y``), ``await rt.run`` one call at a time, with
+   ``placement="process"`` (the role in a worker) and in-process; hop = the difference. Against
+   a raw pyzmq DEALER/ROUTER ping-pong over ``ipc://`` with an echo process, blocking and
+   ``zmq.asyncio`` clients, same run, rounds interleaved so load bursts hit all alike.
+2. **stream**: ``src.gen`` (async generator, 10,000 frames) -> ``m1.step`` -> ``m2.step`` ->
+   caller, each role in its own worker (``placement="process"``: 3 workers + the front;
+   every frame crosses a process boundary 3 times). Frames/s seen by the caller; the
+   in-process figure for scale. Then a cProfile of the front process for one stream.
+3. **replicas**: a CPU-bound role (a pure-Python loop of ~5 ms) with
+   ``Deploy({"cpu": {"replicas": n}})``, n = 1, 2, 4, 200 concurrent calls: calls/s.
+
+The graphs are module-level objects of this file; the front loads them with
+``omniflow.load_graphs(__file__)`` so that a worker can import them again by path (a graph
+built in ``__main__`` cannot be placed in a worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import omniflow as of
+
+# ---------------------------------------------------------------------------------- graphs
+
+
+class Hop(of.Role):
+    @of.interface(inputs_or=[["x"]], outputs=["y"])
+    async def run(self, x: int) -> dict[str, Any]:
+        return {"y": x}
+
+
+hop = of.Graph("bm_hop", roles={"hop": Hop()}, inputs=[of.Placeholder("x")], outputs=["y"])
+
+
+class Src(of.Role):
+    @of.interface(inputs_or=[["n"]], outputs=["a"])
+    async def gen(self, n: int) -> AsyncIterator[dict[str, Any]]:
+        for i in range(n):
+            yield {"a": i}
+
+
+class M1(of.Role):
+    @of.interface(inputs_or=[["a"]], outputs=["b"])
+    async def step(self, a: int) -> dict[str, Any]:
+        return {"b": a + 1}
+
+
+class M2(of.Role):
+    @of.interface(inputs_or=[["b"]], outputs=["c"])
+    async def step(self, b: int) -> dict[str, Any]:
+        return {"c": b + 1}
+
+
+stream = of.Graph(
+    "bm_stream",
+    roles={"src": Src(), "m1": M1(), "m2": M2()},
+    inputs=[of.Placeholder("n")],
+    outputs=["c"],
+)
+
+
+def spin(n: int) -> int:
+    x = 0
+    for i in range(n):
+        x += i * i
+    return x
+
+
+class Cpu(of.Role):
+    @of.interface(inputs_or=[["n"]], outputs=["r"])
+    async def run(self, n: int) -> dict[str, Any]:
+        return {"r": spin(n) & 0xFF}
+
+
+cpu = of.Graph("bm_cpu", roles={"cpu": Cpu()}, inputs=[of.Placeholder("n")], outputs=["r"])
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def load() -> dict[str, of.Graph]:
+    """This file's graphs, imported by path (so workers find them)."""
+    return {g.name: g for g in of.load_graphs(Path(__file__).resolve())}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}"
+
+
+ECHO = """
+import sys, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    msg = sock.recv_multipart(copy=False)
+    sock.send_multipart(msg, copy=False)
+    if msg[1].bytes == b"STOP":
+        break
+"""
+
+
+class RawEcho:
+    """A ROUTER echo process and two DEALER clients to it (blocking and zmq.asyncio)."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="omniflow-bench-")
+        self.url = f"ipc://{self.dir}/echo.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ECHO, self.url], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        self.ctx = zmq.Context()
+        self.sync = self.ctx.socket(zmq.DEALER)
+        self.sync.connect(self.url)
+        self.actx = zmq.asyncio.Context()
+        self.asock = self.actx.socket(zmq.DEALER)
+        self.asock.connect(self.url)
+        self.payload = b"x" * 128  # about the size of a small run message
+
+    def round_sync(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.sync.send(self.payload, copy=False)
+            self.sync.recv(copy=False)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    async def round_async(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await self.asock.send(self.payload, copy=False)
+            await self.asock.recv(copy=False)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self.sync.send(b"STOP")
+        self.sync.recv()
+        self.proc.wait(10)
+        for s in (self.sync, self.asock):
+            s.close(linger=0)
+        self.ctx.term()
+        self.actx.term()
+        os.unlink(f"{self.dir}/echo.sock") if os.path.exists(f"{self.dir}/echo.sock") else None
+        os.rmdir(self.dir)
+
+
+async def calls(rt: of.Runtime, graph: str, inputs: dict[str, Any], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await rt.run(graph, inputs)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---------------------------------------------------------------------------------- 1. hop
+
+
+async def bench_hop(graphs: dict[str, of.Graph], rounds: int, per_round: int) -> dict[str, Any]:
+    g = graphs["bm_hop"]
+    echo = RawEcho()
+    lat: dict[str, list[float]] = {"inproc": [], "process": [], "sync": [], "async": []}
+    async with of.Runtime(g) as inproc, of.Runtime(g, placement="process") as proc:
+        await calls(inproc, "bm_hop", {"x": 1}, 300)
+        await calls(proc, "bm_hop", {"x": 1}, 300)
+        echo.round_sync(300)
+        await echo.round_async(300)
+        for _ in range(rounds):
+            lat["inproc"] += await calls(inproc, "bm_hop", {"x": 1}, per_round)
+            lat["process"] += await calls(proc, "bm_hop", {"x": 1}, per_round)
+            lat["sync"] += echo.round_sync(per_round)
+            lat["async"] += await echo.round_async(per_round)
+    echo.close()
+    return lat
+
+
+# ---------------------------------------------------------------------------------- 2. stream
+
+
+async def consume(rt: of.Runtime, n: int) -> float:
+    t0 = time.perf_counter()
+    got = 0
+    async for _frame in rt.call("bm_stream", {"n": n}):
+        got += 1
+    took = time.perf_counter() - t0
+    assert got == n, (got, n)
+    return took
+
+
+async def bench_stream(
+    graphs: dict[str, of.Graph], n: int, repeats: int, profile: bool
+) -> dict[str, Any]:
+    g = graphs["bm_stream"]
+    res: dict[str, Any] = {}
+    async with of.Runtime(g) as rt:
+        await consume(rt, 1000)
+        res["inproc"] = [n / await consume(rt, n) for _ in range(repeats)]
+    async with of.Runtime(g, placement="process") as rt:
+        assert rt.remote is not None and rt.remote.statistics()["replicas"] == 3
+        await consume(rt, 1000)
+        res["process"] = [n / await consume(rt, n) for _ in range(repeats)]
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            took = await consume(rt, n)
+            prof.disable()
+            res["profiled_fps"] = n / took
+            buf = io.StringIO()
+            stats = pstats.Stats(prof, stream=buf)
+            stats.sort_stats("tottime").print_stats(22)
+            res["profile"] = buf.getvalue()
+            res["areas"] = by_area(stats)
+    return res
+
+
+AREAS = (
+    ("pyzmq asyncio (zmq/_future.py)", "zmq/_future.py"),
+    ("enum flag arithmetic (pyzmq's event masks)", "/enum.py"),
+    ("other pyzmq", "/zmq/"),
+    ("omniflow codec", "omniflow/transport/_codec.py"),
+    ("omniflow transport endpoints", "omniflow/transport/"),
+    ("omniflow remote (front side)", "omniflow/runtime/_remote.py"),
+    ("omniflow call core", "omniflow/runtime/_core.py"),
+    ("omniflow runtime shell + call", "omniflow/runtime/"),
+    ("asyncio event loop", "/asyncio/"),
+)
+
+
+def by_area(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """Self time (tottime) summed by where the code lives, as a share of the total."""
+    totals: dict[str, float] = {}
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    for (filename, _line, _name), (_cc, _nc, tt, _ct, _callers) in raw.items():
+        area = next((label for label, key in AREAS if key in filename), "other (builtins, ...)")
+        totals[area] = totals.get(area, 0.0) + tt
+    whole = sum(totals.values()) or 1.0
+    return sorted(((a, t / whole) for a, t in totals.items()), key=lambda x: -x[1])
+
+
+# ---------------------------------------------------------------------------------- 3. replicas
+
+
+def calibrate(target_s: float) -> int:
+    n = 20_000
+    while True:
+        t0 = time.perf_counter()
+        spin(n)
+        took = time.perf_counter() - t0
+        if took > 0.02:
+            return max(1, int(n * target_s / took))
+        n *= 2
+
+
+async def bench_replicas(
+    graphs: dict[str, of.Graph], spin_n: int, concurrent: int, repeats: int
+) -> dict[str, Any]:
+    g = graphs["bm_cpu"]
+    res: dict[str, Any] = {}
+
+    async def burst(rt: of.Runtime) -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(rt.run("bm_cpu", {"n": spin_n}) for _ in range(concurrent)))
+        return concurrent / (time.perf_counter() - t0)
+
+    async with of.Runtime(g) as rt:
+        await burst(rt)
+        res["inproc"] = [await burst(rt) for _ in range(repeats)]
+    for n in (1, 2, 4):
+        async with of.Runtime(g, placement=of.Deploy({"cpu": {"replicas": n}})) as rt:
+            await burst(rt)
+            res[n] = [await burst(rt) for _ in range(repeats)]
+    return res
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (~25 s)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of the stream")
+    args = ap.parse_args()
+    graphs = load()
+    rounds, per_round = (5, 200) if args.quick else (10, 400)
+    repeats = 2 if args.quick else 3
+    import zmq as _z
+
+    print(
+        f"python {platform.python_version()}, pyzmq {_z.pyzmq_version()}, libzmq "
+        f"{_z.zmq_version()}, nproc {os.cpu_count()}, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+
+    lat = await bench_hop(graphs, rounds, per_round)
+    hop50 = pct(lat["process"], 0.5) - pct(lat["inproc"], 0.5)
+    hop99 = pct(lat["process"], 0.99) - pct(lat["inproc"], 0.99)
+    print(f"\n### 1. Cross-process hop ({len(lat['process'])} calls each, µs p50 / p99)\n")
+    print("| | p50 | p99 |")
+    print("|---|---:|---:|")
+    for name, label in (
+        ("inproc", "1-node call, in-process"),
+        ("process", "1-node call, role in a worker"),
+    ):
+        print(f"| {label} | {us(pct(lat[name], 0.5))} | {us(pct(lat[name], 0.99))} |")
+    print(f"| **omniflow hop** (worker - in-process) | **{us(hop50)}** | **{us(hop99)}** |")
+    for name, label in (("sync", "raw pyzmq, blocking"), ("async", "raw pyzmq, zmq.asyncio")):
+        print(f"| {label} ping-pong | {us(pct(lat[name], 0.5))} | {us(pct(lat[name], 0.99))} |")
+    for name, label in (("sync", "blocking"), ("async", "zmq.asyncio")):
+        r50 = hop50 / pct(lat[name], 0.5)
+        print(f"\nhop / raw {label} p50: {r50:.2f}x (target ≤ 2x)")
+
+    n = 5_000 if args.quick else 10_000
+    res = await bench_stream(graphs, n, repeats, not args.no_profile)
+    print(f"\n### 2. {n:,}-frame stream through 3 worker processes (frames/s, best of {repeats})\n")
+    print("| placement | frames/s (best) | all runs |")
+    print("|---|---:|---|")
+    for name in ("inproc", "process"):
+        runs = ", ".join(f"{x:,.0f}" for x in res[name])
+        print(f"| {name} | {max(res[name]):,.0f} | {runs} |")
+    print(f"\ntarget ≥ 15,000 frames/s: {'met' if max(res['process']) >= 15_000 else 'NOT met'}")
+    if "profile" in res:
+        print(f"\ncProfile of the front, one stream ({res['profiled_fps']:,.0f} frames/s):\n")
+        print("| where (self time) | share |\n|---|---:|")
+        for area, share in res["areas"]:
+            print(f"| {area} | {share:.0%} |")
+        print()
+        print(res["profile"])
+
+    spin_n = calibrate(0.005)
+    concurrent = 200
+    rep = await bench_replicas(graphs, spin_n, concurrent, repeats)
+    print(
+        f"\n### 3. CPU-bound role (~5 ms pure-Python loop, spin({spin_n:,})), {concurrent} "
+        f"concurrent calls: calls/s (median of {repeats})\n"
+    )
+    print("| placement | calls/s | vs 1 replica | runs |")
+    print("|---|---:|---:|---|")
+    base = statistics.median(rep[1])
+    for key, label in (
+        ("inproc", "in-process"),
+        (1, "1 replica"),
+        (2, "2 replicas"),
+        (4, "4 replicas"),
+    ):
+        med = statistics.median(rep[key])
+        runs = ", ".join(f"{x:,.0f}" for x in rep[key])
+        print(f"| {label} | {med:,.0f} | {med / base:.2f}x | {runs} |")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
