@@ -38,6 +38,7 @@ from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._metrics import RuntimeMetrics
+from omniflow.runtime._params import SessionParams
 from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
 
 __all__ = ["Runtime", "RuntimeState"]
@@ -49,24 +50,6 @@ class RuntimeState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     CLOSED = "closed"
-
-
-class SessionParams(dict[str, Any]):
-    """A session's GlobalParameters, each created by its factory on first use."""
-
-    def __init__(self, factories: dict[str, GlobalParameters]) -> None:
-        super().__init__()
-        self._factories = factories
-
-    def __missing__(self, name: str) -> Any:
-        p = self._factories.get(name)
-        if p is None:
-            raise KeyError(
-                f"no GlobalParameters named {name!r}; declared: {sorted(self._factories)}"
-            )
-        value = p.factory()
-        self[name] = value
-        return value
 
 
 class _Handle:

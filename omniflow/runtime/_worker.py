@@ -26,6 +26,7 @@ from omniflow.data._plane import DataPlane, DataRef, PullClient, refs_in
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import load_graphs, parse_graphs
+from omniflow.runtime._params import SessionParams
 from omniflow.runtime._protocol import decode_msg, encode_msg
 from omniflow.transport import bind
 
@@ -38,21 +39,6 @@ _Key = tuple[bytes | None, str, int]
 
 class _Unsendable(OmniflowError):
     """A frame the codec cannot carry; the activation fails with this error."""
-
-
-class _Params(dict[str, Any]):
-    def __init__(self, factories: dict[str, GlobalParameters]) -> None:
-        super().__init__()
-        self._factories = factories
-
-    def __missing__(self, name: str) -> Any:
-        p = self._factories.get(name)
-        if p is None:
-            raise KeyError(
-                f"no GlobalParameters named {name!r}; declared: {sorted(self._factories)}"
-            )
-        value = self[name] = p.factory()
-        return value
 
 
 class Worker:
@@ -88,8 +74,8 @@ class Worker:
         self._generators: set[str] = set()
         self._roles: list[Any] = []
         self._factories: dict[str, GlobalParameters] = {}
-        self._session_params: dict[str, _Params] = {}
-        self._call_params: dict[str, _Params] = {}
+        self._session_params: dict[str, SessionParams] = {}
+        self._call_params: dict[str, SessionParams] = {}
         self._running: dict[_Key, Any] = {}
         self._out: asyncio.Queue[tuple[bytes | None, list[Any]] | None] = asyncio.Queue()
         self._stop = asyncio.Event()
@@ -303,12 +289,12 @@ class Worker:
         else:
             raise TransportError(f"unknown message kind {kind!r}")
 
-    def _params(self, session: str | None, call_id: str) -> _Params:
+    def _params(self, session: str | None, call_id: str) -> SessionParams:
         table = self._session_params if session is not None else self._call_params
         key = session if session is not None else call_id
         p = table.get(key)
         if p is None:
-            p = table[key] = _Params(self._factories)
+            p = table[key] = SessionParams(self._factories)
         return p
 
     def _start(self, peer: bytes | None, body: dict[str, Any]) -> None:
