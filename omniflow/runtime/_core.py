@@ -705,10 +705,15 @@ class CallCore:
 
     @property
     def status(self) -> str:
+        """ "cancelled" when the caller cancelled, "error" when a node failed, "cancelled" when
+        a node was cancelled by something else (a worker shutting down): its outputs are
+        missing, so the call did not end "ok"."""
         if self.cancelled:
             return "cancelled"
         if any(e.kind == "error" for e in self.errors):
             return "error"
+        if self.errors:
+            return "cancelled"
         return "ok"
 
     def _log(self, event: str, **details: Any) -> None:

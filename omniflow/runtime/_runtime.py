@@ -116,8 +116,10 @@ class Runtime:
     ``placement`` selects where roles run (CONTRACT §5): ``"inproc"`` (every role in this
     event loop), ``"process"`` (every role in a worker process of its own) or
     ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here).
-    ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory).
-    Scheduling always stays in this process, so semantics do not depend on placement.
+    ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory);
+    workers heartbeat every ``heartbeat_interval`` seconds and count as lost three intervals
+    after their last one. Scheduling always stays in this process, so semantics do not depend
+    on placement.
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class Runtime:
         connectors: dict[Any, str] | None = None,
         data_threshold: int = DEFAULT_THRESHOLD,
         stream_high_water: int = 1024,
+        heartbeat_interval: float = 1.0,
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
@@ -165,6 +168,7 @@ class Runtime:
                 plane=self.plane,
                 offload=offload,
                 connectors=edge_conns,
+                heartbeat_interval=heartbeat_interval,
             )
             if processes
             else None

@@ -91,7 +91,7 @@ def front(graph: of.Graph, placement: Any, registry: str | None = None) -> of.Ru
     rt = of.Runtime(graph, placement=placement, registry=registry, validate=True)
     assert rt.remote is not None
     # Runtime has no knob for this (yet): RemoteRoles reads it at start().
-    rt.remote.heartbeat_interval = HEARTBEAT
+    rt.remote.heartbeat_interval = HEARTBEAT  # same as Runtime(heartbeat_interval=...)
     return rt
 
 

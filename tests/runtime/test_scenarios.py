@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -890,3 +891,23 @@ async def test_a_slow_reader_holds_back_a_stream_producer(runtime: Any) -> None:
     quiet = rt.call("bp", {"n": 50})
     assert await asyncio.wait_for(quiet.wait(), 5) == "ok"
     assert len([f async for f in quiet]) == 50
+
+
+async def test_a_node_cancelled_by_something_else_does_not_end_the_call_ok(runtime: Any) -> None:
+    class SelfCancel(of.Role):
+        @of.interface(inputs_or=[["x"]], outputs=["y"])
+        async def run(self, x: int) -> dict[str, Any]:
+            raise asyncio.CancelledError()  # e.g. its worker is shutting down
+
+    g = of.Graph("selfc", roles={"s": SelfCancel()}, inputs=[of.Placeholder("x")], outputs=["y"])
+    rt = await runtime(g)
+    call = rt.call("selfc", {"x": 1})
+    assert await call.collect() == {}
+    assert call.status == "cancelled"
+    assert [(e.node, e.kind) for e in call.errors] == [("s.run", "cancel")]
+
+
+async def test_heartbeat_interval_reaches_the_worker_machinery() -> None:
+    graph = of.load_graphs(str(Path(__file__).resolve().parents[2] / "graphs" / "t2i.py"))[0]
+    rt = of.Runtime(graph, placement="process", heartbeat_interval=0.25)
+    assert rt.remote is not None and rt.remote.heartbeat_interval == 0.25
