@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_multiprocess.py            # ~1 min on 2 cores
     .venv/bin/python benchmarks/bench_multiprocess.py --quick    # ~25 s
     .venv/bin/python benchmarks/bench_multiprocess.py --no-profile
+    .venv/bin/python benchmarks/bench_multiprocess.py --only hop --only stream   # a subset
 
 1. **hop**: a 1-node graph (``x -> hop.run -> y``), ``await rt.run`` one call at a time, with
    ``placement="process"`` (the role in a worker) and in-process; hop = the difference. Against
@@ -314,6 +315,12 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (~25 s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of the stream")
+    ap.add_argument(
+        "--only",
+        choices=("hop", "stream", "replicas"),
+        action="append",
+        help="run only these parts (repeatable; default: all)",
+    )
     args = ap.parse_args()
     graphs = load()
     rounds, per_round = (5, 200) if args.quick else (10, 400)
@@ -326,6 +333,16 @@ async def main() -> None:
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
 
+    parts = set(args.only or ("hop", "stream", "replicas"))
+    if "hop" in parts:
+        await report_hop(graphs, rounds, per_round)
+    if "stream" in parts:
+        await report_stream(graphs, args.quick, repeats, not args.no_profile)
+    if "replicas" in parts:
+        await report_replicas(graphs, repeats)
+
+
+async def report_hop(graphs: dict[str, of.Graph], rounds: int, per_round: int) -> None:
     lat = await bench_hop(graphs, rounds, per_round)
     hop50 = pct(lat["process"], 0.5) - pct(lat["inproc"], 0.5)
     hop99 = pct(lat["process"], 0.99) - pct(lat["inproc"], 0.99)
@@ -344,8 +361,12 @@ async def main() -> None:
         r50 = hop50 / pct(lat[name], 0.5)
         print(f"\nhop / raw {label} p50: {r50:.2f}x (target ≤ 2x)")
 
-    n = 5_000 if args.quick else 10_000
-    res = await bench_stream(graphs, n, repeats, not args.no_profile)
+
+async def report_stream(
+    graphs: dict[str, of.Graph], quick: bool, repeats: int, profile: bool
+) -> None:
+    n = 5_000 if quick else 10_000
+    res = await bench_stream(graphs, n, repeats, profile)
     print(f"\n### 2. {n:,}-frame stream through 3 worker processes (frames/s, best of {repeats})\n")
     print("| placement | frames/s (best) | all runs |")
     print("|---|---:|---|")
@@ -361,6 +382,8 @@ async def main() -> None:
         print()
         print(res["profile"])
 
+
+async def report_replicas(graphs: dict[str, of.Graph], repeats: int) -> None:
     spin_n = calibrate(0.005)
     concurrent = 200
     rep = await bench_replicas(graphs, spin_n, concurrent, repeats)

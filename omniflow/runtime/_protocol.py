@@ -7,7 +7,7 @@ the front exactly as an in-process method returned them, tuples and objects incl
     front -> worker                          worker -> front
     hello  {}                                ready  {replica, roles, pid}
     run    {c, a, n, k, s, g, q, gr}         frame  {c, a, f}          (any number)
-    cancel {c, a}                            done   {c, a, e}          (exactly one per run)
+    cancel {c, a}                            done   {c, a, e, f?}      (exactly one per run)
     release {refs}     end_call {c}     source_lost {addr, pid}
     stats  {r}                               stats  {r, replica, pid, plane}
     close_session {s}
@@ -20,7 +20,10 @@ the front exactly as an in-process method returned them, tuples and objects incl
 ``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
 ``g`` OR group, ``q`` SeqId index, ``gr`` graph, ``f`` frame dict, ``e`` error or None:
 ``{"t": exception type, "m": message, "cancel": bool}``. Frames of one activation and its
-``done`` travel on one connection, so they arrive in the order they were sent.
+``done`` travel on one connection, so they arrive in the order they were sent. A coroutine
+method's returned frame (not None) rides in its ``done`` as ``f`` instead of a ``frame`` of
+its own: one message per activation; the front applies ``f`` first, then the ``done``.
+Async generators still send one ``frame`` per yield.
 
 Leaving (SIGTERM or ``stop``): the worker deregisters, says ``bye`` to every front that
 said ``hello`` and keeps serving; each front stops routing to it and answers ``bye``

@@ -594,13 +594,10 @@ class RemoteRoles:
                 logger.warning("replica %s sent a bad message: %s", rep.replica_id, exc)
                 continue
             if kind == "frame":
-                p = self._pending.get((body["c"], body["a"]))
-                if p is not None:
-                    frame = body["f"]
-                    if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
-                        self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
-                    self._on_frame(p.call, p.core, p.act, frame)
+                self._replica_frame(rep, body)
             elif kind == "done":
+                if "f" in body:  # a coroutine's returned frame rides in its done
+                    self._replica_frame(rep, body)
                 self._replica_done(rep, (body["c"], body["a"]), body["e"])
             elif kind == "bye":
                 self._on_bye(rep)
@@ -611,6 +608,14 @@ class RemoteRoles:
                 fut = self._stats_waiting.pop(body["r"], None)
                 if fut is not None and not fut.done():
                     fut.set_result(body)
+
+    def _replica_frame(self, rep: _Replica, body: dict[str, Any]) -> None:
+        p = self._pending.get((body["c"], body["a"]))
+        if p is not None:
+            frame = body["f"]
+            if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
+                self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
+            self._on_frame(p.call, p.core, p.act, frame)
 
     def _replica_done(
         self, rep: _Replica | None, key: tuple[str, int], err: dict[str, Any] | None

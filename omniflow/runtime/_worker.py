@@ -382,13 +382,7 @@ class Worker:
                 coro = method(**body["k"])
                 fut = coro.send(None)
             except StopIteration as stop:
-                err: BaseException | None = None
-                if stop.value is not None:
-                    try:
-                        self._frame(peer, c, a, stop.value)
-                    except _Unsendable as e:
-                        err = e
-                self._done(peer, c, a, err)
+                self._done(peer, c, a, None, stop.value)
                 return
             except (Exception, asyncio.CancelledError) as exc:
                 self._done(peer, c, a, exc)
@@ -409,12 +403,7 @@ class Worker:
             self._done(peer, c, a, asyncio.CancelledError())
             return
         exc = task.exception()
-        if exc is None and task.result() is not None:
-            try:
-                self._frame(peer, c, a, task.result())
-            except _Unsendable as e:
-                exc = e
-        self._done(peer, c, a, exc)
+        self._done(peer, c, a, exc, None if exc is not None else task.result())
 
     async def _drive(self, key: _Key, agen: Any) -> None:
         peer, c, a = key
@@ -434,21 +423,44 @@ class Worker:
             self._running.pop(key, None)
         self._done(peer, c, a, exc)
 
-    def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
+    def _placed(self, peer: bytes | None, c: str, a: int, frame: Any) -> Any:
+        """``frame`` with the outputs this activation offloads put in the data plane."""
         off = self._offload.get((peer, c, a))
         if off is not None and isinstance(frame, dict):
             try:
-                frame = self.plane.offload(
-                    off[0], c, a, next(self._payloads), frame, off[1], off[2]
-                )
+                return self.plane.offload(off[0], c, a, next(self._payloads), frame, off[1], off[2])
             except Exception as exc:
                 raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
+        return frame
+
+    def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
+        frame = self._placed(peer, c, a, frame)
         try:
             self._send(peer, "frame", {"c": c, "a": a, "f": frame})
         except Exception as exc:  # a value the wire cannot carry fails the activation
             raise _Unsendable(f"a frame could not be sent to the front: {exc}") from exc
 
-    def _done(self, peer: bytes | None, c: str, a: int, exc: BaseException | None) -> None:
+    def _done(
+        self,
+        peer: bytes | None,
+        c: str,
+        a: int,
+        exc: BaseException | None,
+        frame: Any = None,
+    ) -> None:
+        """Say the activation ended; a coroutine's returned ``frame`` (not None) rides along,
+        one message instead of ``frame`` + ``done`` (the front applies it first)."""
+        if exc is None and frame is not None:
+            try:
+                body = {"c": c, "a": a, "e": None, "f": self._placed(peer, c, a, frame)}
+                self._out.put_nowait((peer, encode_msg("done", body)))
+            except _Unsendable as e:
+                exc = e
+            except Exception as e:  # a value the wire cannot carry fails the activation
+                exc = _Unsendable(f"a frame could not be sent to the front: {e}")
+            else:
+                self._offload.pop((peer, c, a), None)
+                return
         self._offload.pop((peer, c, a), None)
         err = None
         if exc is not None:
