@@ -42,8 +42,9 @@ class ActivationContext:
     aid: int
 
 
-#: Set by the runtime around every activation: an ActivationContext, or a cheap handle whose
-#: ``activation_context()`` builds one on demand (most methods never ask).
+#: Set by the runtime around every activation: an ActivationContext, a cheap handle whose
+#: ``activation_context()`` builds one, or a tuple ``(builder, *args)`` (most methods never ask,
+#: so the context is built only on demand).
 _current: ContextVar[Any] = ContextVar("omniflow_activation")
 
 
@@ -55,6 +56,9 @@ def context() -> ActivationContext:
         cur = None
     if isinstance(cur, ActivationContext):
         return cur
+    if type(cur) is tuple:  # (builder, *args): built only when a method asks
+        built: ActivationContext = cur[0](*cur[1:])
+        return built
     if cur is not None:
         ctx: ActivationContext = cur.activation_context()
         return ctx

@@ -66,6 +66,8 @@ class BucketSpec:
     is_join: bool
     #: The bucket itself is live at its node: discount it when asking about its own slots.
     discount: dict[str, int] = field(default_factory=dict)
+    #: node -> the fields whose slots it can still feed (inverse of field_feeders).
+    feeds: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
@@ -88,6 +90,9 @@ def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
             else:
                 mode = "collect" if f in spec.collect else "plain"
                 fields.append(FieldSpec(f, srcs, mode, None, len(srcs) == 1))
+        field_feeders = {
+            fs.name: frozenset().union(*(feeders[s] for s in fs.sources)) for fs in fields
+        }
         out[(node, g)] = BucketSpec(
             node=node,
             group=g,
@@ -95,11 +100,10 @@ def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
             fields=tuple(fields),
             by_field={fs.name: fs for fs in fields},
             feeders={s: feeders[s] for fs in fields for s in fs.sources},
-            field_feeders={
-                fs.name: frozenset().union(*(feeders[s] for s in fs.sources)) for fs in fields
-            },
+            field_feeders=field_feeders,
             is_join=spec.is_join,
             discount={node: 1},
+            feeds=_invert(field_feeders),
         )
     return out
 
@@ -144,16 +148,20 @@ class Bucket:
 
     def add(self, fld: str, value: Any, sort_key: Any) -> str | None:
         """Store a frame; return an error message when the frame breaks the field's rule."""
-        lst = self.frames.setdefault(fld, [])
-        err = rule_error(self.spec.by_field[fld], len(lst))
+        fs = self.spec.by_field[fld]
+        lst = self.frames.get(fld)
+        if lst is None:
+            self.frames[fld] = [(sort_key, value)]
+            self.arrivals += 1
+            if (fs.mode == "plain" and len(fs.sources) == 1) or fs.threshold == 1:
+                self.open.discard(fld)
+            return None
+        err = rule_error(fs, len(lst))
         if err is not None:
             return err
         lst.append((sort_key, value))
         self.arrivals += 1
-        fs = self.spec.by_field[fld]
-        if (fs.mode == "plain" and len(fs.sources) == 1) or (
-            fs.mode == "count" and fs.threshold is not None and len(lst) >= fs.threshold
-        ):
+        if fs.mode == "count" and fs.threshold is not None and len(lst) >= fs.threshold:
             self.open.discard(fld)
         return None
 
@@ -163,8 +171,12 @@ class Bucket:
             return None
         spec = self.spec
         if dropped is not None:
-            ff = spec.field_feeders
-            if not any(n in ff[name] for name in self.open for n in dropped):
+            feeds = spec.feeds
+            for n in dropped:
+                fields = feeds.get(n)
+                if fields is not None and not self.open.isdisjoint(fields):
+                    break
+            else:
                 return None  # nothing that ended feeds a field we still wait for
         key = self.key
         feeders, discount = spec.feeders, spec.discount
@@ -233,6 +245,14 @@ def _settled_value(fs: FieldSpec, lst: list[tuple[Any, Any]] | None) -> Any:
         lst = sorted(lst, key=lambda kv: kv[0])[: fs.threshold]
         return [v for _k, v in lst]
     return _ordered(lst)
+
+
+def _invert(field_feeders: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    out: dict[str, set[str]] = {}
+    for name, nodes in field_feeders.items():
+        for n in nodes:
+            out.setdefault(n, set()).add(name)
+    return {n: frozenset(v) for n, v in out.items()}
 
 
 def rule_error(fs: FieldSpec, before: int) -> str | None:

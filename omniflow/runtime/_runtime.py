@@ -52,28 +52,18 @@ class RuntimeState(enum.Enum):
     CLOSED = "closed"
 
 
-class _Handle:
-    """What the context variable holds during an activation; builds the context on demand."""
-
-    __slots__ = ("act", "call", "params")
-
-    def __init__(self, call: Call, act: Activation, params: SessionParams) -> None:
-        self.call = call
-        self.act = act
-        self.params = params
-
-    def activation_context(self) -> ActivationContext:
-        a = self.act
-        return ActivationContext(
-            graph=self.call.graph,
-            session=self.call.session,
-            call_id=self.call.call_id,
-            node=a.node,
-            or_group=a.group,
-            params=self.params,
-            seq=a.seq[2],
-            aid=a.aid,
-        )
+def _context_of(call: Call, act: Activation, params: SessionParams) -> ActivationContext:
+    """Build the context of a local activation (only when its method calls of.context())."""
+    return ActivationContext(
+        graph=call.graph,
+        session=call.session,
+        call_id=call.call_id,
+        node=act.node,
+        or_group=act.group,
+        params=params,
+        seq=act.seq[2],
+        aid=act.aid,
+    )
 
 
 class _Continue:
@@ -468,7 +458,7 @@ class Runtime:
         if act.refs and not self._resolve_inputs(call, core, act):
             return
         method = core.c.methods[act.node]
-        token = _current.set(_Handle(call, act, self._call_params[call.call_id]))
+        token = _current.set((_context_of, call, act, self._call_params[call.call_id]))
         try:
             if act.node in core.c.generators:
                 try:
@@ -486,7 +476,10 @@ class Runtime:
             except StopIteration as stop:
                 if stop.value is not None:
                     core.on_frame(act, stop.value)
-                self._done(call, core, act, None)
+                if self.metrics is None:
+                    core.on_done(act)
+                else:
+                    self._done(call, core, act, None)
                 return
             except (Exception, asyncio.CancelledError) as exc:
                 self._done(call, core, act, exc)
