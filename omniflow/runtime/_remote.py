@@ -585,29 +585,33 @@ class RemoteRoles:
     async def _read(self, rep: _Replica) -> None:
         while True:
             try:
-                _peer, frames = await rep.endpoint.recv()
+                batch = await rep.endpoint.recv_batch()
             except (RuntimeClosedError, TransportError, asyncio.CancelledError):
                 return
-            try:
-                kind, body = decode_msg(frames)
-            except Exception as exc:
-                logger.warning("replica %s sent a bad message: %s", rep.replica_id, exc)
-                continue
-            if kind == "frame":
+            for _peer, frames in batch:
+                self._on_message(rep, frames)
+
+    def _on_message(self, rep: _Replica, frames: list[Any]) -> None:
+        try:
+            kind, body = decode_msg(frames)
+        except Exception as exc:
+            logger.warning("replica %s sent a bad message: %s", rep.replica_id, exc)
+            return
+        if kind == "frame":
+            self._replica_frame(rep, body)
+        elif kind == "done":
+            if "f" in body:  # a coroutine's returned frame rides in its done
                 self._replica_frame(rep, body)
-            elif kind == "done":
-                if "f" in body:  # a coroutine's returned frame rides in its done
-                    self._replica_frame(rep, body)
-                self._replica_done(rep, (body["c"], body["a"]), body["e"])
-            elif kind == "bye":
-                self._on_bye(rep)
-            elif kind == "ready" and rep.ready is not None and not rep.ready.done():
-                rep.pid = body.get("pid")
-                rep.ready.set_result(None)
-            elif kind == "stats":
-                fut = self._stats_waiting.pop(body["r"], None)
-                if fut is not None and not fut.done():
-                    fut.set_result(body)
+            self._replica_done(rep, (body["c"], body["a"]), body["e"])
+        elif kind == "bye":
+            self._on_bye(rep)
+        elif kind == "ready" and rep.ready is not None and not rep.ready.done():
+            rep.pid = body.get("pid")
+            rep.ready.set_result(None)
+        elif kind == "stats":
+            fut = self._stats_waiting.pop(body["r"], None)
+            if fut is not None and not fut.done():
+                fut.set_result(body)
 
     def _replica_frame(self, rep: _Replica, body: dict[str, Any]) -> None:
         p = self._pending.get((body["c"], body["a"]))

@@ -231,14 +231,15 @@ class Worker:
     async def _read(self, endpoint: Any) -> None:
         while True:
             try:
-                peer, frames = await endpoint.recv()
+                batch = await endpoint.recv_batch()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            try:
-                kind, body = decode_msg(frames)
-                self._handle(peer, kind, body)
-            except Exception as exc:  # malformed input never kills the worker
-                logger.warning("worker %s: dropped a bad message: %s", self.replica_id, exc)
+            for peer, frames in batch:
+                try:
+                    kind, body = decode_msg(frames)
+                    self._handle(peer, kind, body)
+                except Exception as exc:  # malformed input never kills the worker
+                    logger.warning("worker %s: dropped a bad message: %s", self.replica_id, exc)
 
     def _send(self, peer: bytes | None, kind: str, body: dict[str, Any]) -> None:
         self._out.put_nowait((peer, encode_msg(kind, body)))

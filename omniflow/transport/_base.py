@@ -86,6 +86,12 @@ class Endpoint(ABC):
     async def send(self, frames: Sequence[Buffer], *, peer: bytes | None = None) -> None:
         """Send one message of one or more frames; a bound endpoint must name the ``peer``."""
         self._check_open("send")
+        self._check_send(frames, peer)
+        await self._send(frames, peer)
+        self._sent += 1
+        self._sent_bytes += _nbytes(frames)
+
+    def _check_send(self, frames: Sequence[Buffer], peer: bytes | None) -> None:
         if not frames:
             raise TransportError(f"{self.url}: a message needs at least one frame", url=self.url)
         if self.bound and peer is None:
@@ -98,9 +104,6 @@ class Endpoint(ABC):
             raise TransportError(
                 f"{self.url}: a connected endpoint has a single peer; drop peer=", url=self.url
             )
-        await self._send(frames, peer)
-        self._sent += 1
-        self._sent_bytes += _nbytes(frames)
 
     async def recv(self) -> Packet:
         """Wait for the next message; raises RuntimeClosedError if the endpoint closes."""
@@ -115,6 +118,35 @@ class Endpoint(ABC):
         self._received += 1
         self._received_bytes += _nbytes(packet.frames)
         return packet
+
+    async def recv_batch(self) -> list[Packet]:
+        """Wait for at least one message; return it and every message already waiting, in
+        order (one wake-up for a burst). Raises RuntimeClosedError if the endpoint closes."""
+        self._check_open("recv")
+        try:
+            packets = await self._recv_batch()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.state is EndpointState.CLOSED and (task is None or not task.cancelling()):
+                raise self._closed_error("recv") from None
+            raise
+        self._received += len(packets)
+        self._received_bytes += sum(_nbytes(p.frames) for p in packets)
+        return packets
+
+    def try_send(self, frames: Sequence[Buffer], *, peer: bytes | None = None) -> bool:
+        """Send now if that cannot block, else do nothing and return False (then ``send``).
+
+        Never overtakes a ``send`` still waiting on this endpoint, so a caller that falls back
+        to its own queue whenever this returns False keeps its messages in order.
+        """
+        self._check_open("send")
+        self._check_send(frames, peer)
+        if not self._try_send(frames, peer):
+            return False
+        self._sent += 1
+        self._sent_bytes += _nbytes(frames)
+        return True
 
     def close(self) -> None:
         """Close the endpoint (idempotent); a pending ``recv`` raises RuntimeClosedError."""
@@ -157,6 +189,12 @@ class Endpoint(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    async def _recv_batch(self) -> list[Packet]:
+        return [await self._recv()]
+
+    def _try_send(self, frames: Sequence[Buffer], peer: bytes | None) -> bool:
+        return False
 
     def _check_open(self, op: str) -> None:
         if self.state is EndpointState.CLOSED:

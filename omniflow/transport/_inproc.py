@@ -53,6 +53,18 @@ class _Inbox:
             raise asyncio.CancelledError  # Endpoint.recv turns this into RuntimeClosedError
         return packet
 
+    async def get_batch(self) -> list[Packet]:
+        """The next packet and every one already queued behind it (up to a close)."""
+        batch = [await self.get()]
+        queue = self.queue
+        while not queue.empty():
+            packet = queue.get_nowait()
+            if packet is _CLOSED:
+                queue.put_nowait(_CLOSED)
+                break
+            batch.append(packet)
+        return batch
+
 
 class _InprocListener(Endpoint):
     def __init__(self, url: str, name: str, transport: InprocTransport) -> None:
@@ -78,6 +90,9 @@ class _InprocListener(Endpoint):
     async def _recv(self) -> Packet:
         return await self._inbox.get()
 
+    async def _recv_batch(self) -> list[Packet]:
+        return await self._inbox.get_batch()
+
     def _close(self) -> None:
         self._transport.listeners.pop(self._name, None)
         self._inbox.queue.put_nowait(_CLOSED)
@@ -100,6 +115,9 @@ class _InprocConnection(Endpoint):
 
     async def _recv(self) -> Packet:
         return await self._inbox.get()
+
+    async def _recv_batch(self) -> list[Packet]:
+        return await self._inbox.get_batch()
 
     def _close(self) -> None:
         assert self.identity is not None
