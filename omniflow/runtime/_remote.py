@@ -144,7 +144,7 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
     return list(groups.values())
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     """An activation running on one or more replicas."""
 
@@ -373,9 +373,14 @@ class RemoteRoles:
         self._pending[key] = _Pending(call, core, act, list(targets))
         act.task = _RemoteHandle(self, key)
         kwargs = act.kwargs
-        # A run waiting for its session's pin may go to any live replica.
-        local = all(r.address.startswith("ipc://") for r in (targets or live))
-        if self.plane is not None and local:
+        plane = self.plane
+        # Big inputs go through the front's pool when every replica it may reach (a run
+        # waiting for its session's pin may go to any live one) shares this host.
+        if (
+            plane is not None
+            and any(plane.is_big(v) for v in kwargs.values())
+            and all(r.address.startswith("ipc://") for r in (targets or live))
+        ):
             kwargs = self._offload_inputs(key, act.node, kwargs)
         body = {
             "c": call.call_id,

@@ -107,6 +107,18 @@ def encode(
     """
     if not isinstance(kind, str):
         raise CodecError(f"message kind must be a str, got {type(kind).__name__}")
+    # Fast path for small control messages: a body of plain msgpack types only (no tuples,
+    # arrays, subclasses) packs in C in one call. Only a result of at most MAX_DEPTH bytes is
+    # kept: every nesting level costs a byte, so it cannot be nested deeper than the walker
+    # allows. Anything else takes the walker below (out-of-band frames, precise errors).
+    try:
+        packed = msgpack.packb(
+            [kind, 0, body], use_bin_type=True, strict_types=True, default=_not_plain
+        )
+    except (_NotPlain, ValueError, TypeError, OverflowError, BufferError):
+        packed = None
+    if packed is not None and len(packed) <= MAX_DEPTH and len(packed) < threshold:
+        return [_PREFIX + packed]
     packer = _Packer(threshold, pickle)
     try:
         tree = packer.walk(body, 0)
@@ -139,6 +151,14 @@ def decode_message(frames: Sequence[Any], *, allow_pickle: bool = False) -> Mess
 
 
 # --------------------------------------------------------------------------------- encoding
+
+
+class _NotPlain(Exception):
+    """Raised by the fast path's ``default`` hook: this body needs the walker."""
+
+
+def _not_plain(obj: Any) -> Any:
+    raise _NotPlain
 
 
 class _Unsupported(Exception):
