@@ -281,6 +281,24 @@ class _Packer:
 
 
 def _decode(frames: Sequence[Any], allow_pickle: bool = False) -> Message:
+    first = frames[0] if len(frames) == 1 else None
+    if (type(first) is bytes or type(first) is memoryview) and first[:3] == _PREFIX:
+        # Fast path: a one-frame message (a small control message as received) unpacks
+        # directly; anything odd falls through to the checks below.
+        unpacked = msgpack.unpackb(
+            first[3:],
+            ext_hook=_NO_OOB_PICKLE if allow_pickle else _NO_OOB,
+            raw=False,
+            strict_map_key=False,
+        )
+        if (
+            type(unpacked) is list
+            and len(unpacked) == 3
+            and type(unpacked[0]) is str
+            and unpacked[1] == 0
+            and type(unpacked[1]) is int
+        ):
+            return Message(unpacked[0], unpacked[2])
     if len(frames) == 0:
         raise CodecError("empty message: no header frame")
     header = _frame_view(frames[0])
@@ -413,6 +431,11 @@ class _ExtHook:
                 f"malformed {what}: {len(buf)} data bytes where {nbytes} were announced"
             )
         return buf
+
+
+#: Hooks for messages without out-of-band frames (reused: they hold no per-message state).
+_NO_OOB = _ExtHook([], False)
+_NO_OOB_PICKLE = _ExtHook([], True)
 
 
 def _require(module: str) -> Any:
