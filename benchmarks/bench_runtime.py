@@ -688,7 +688,10 @@ async def shape_memory(rep: Report, quick: bool) -> None:
             await asyncio.gather(*(rt.run("chain3", {"x0": base + i}) for i in range(batch)))
 
         before_any = rss()
-        for b in range(5):  # warm-up: fills the bounded story log and the allocator's pools
+        # Warm-up: 20k calls, until the bounded story log (10,000 entries, 2 per call) has
+        # turned over and the allocator's pools reached their steady state; with
+        # Runtime(story_size=0) RSS is flat from the first batch on.
+        for b in range(20):
             await run_batch(b * batch)
         before = rss()
         objs_before = len(gc.get_objects())
@@ -714,7 +717,7 @@ async def shape_memory(rep: Report, quick: bool) -> None:
     rep.table(
         [
             "RSS fresh runtime MB",
-            "RSS after 5k warm-up MB",
+            "RSS after 20k warm-up MB",
             f"RSS after {total // 1000}k calls MB",
             "delta MB",
             f"growth {half[0] // 1000}k→{total // 1000}k MB",
