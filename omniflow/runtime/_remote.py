@@ -217,6 +217,8 @@ class RemoteRoles:
         self._connectors = connectors or {}
         #: (call id, aid) -> refs the front put in its own pool for that remote activation.
         self._front_refs: dict[tuple[str, int], list[DataRef]] = {}
+        #: True while a batch of replica messages is handled (runs made then are queued).
+        self._in_batch = False
         #: The front's offload threshold, sent with each run that offloads (None: the default).
         self._threshold = (
             plane.threshold if plane is not None and plane.threshold != DEFAULT_THRESHOLD else None
@@ -427,6 +429,15 @@ class RemoteRoles:
             self._call_replicas.setdefault(key[0], set()).update(targets)
         for rep in targets:
             rep.held.add(key)
+            # A run started by a caller goes out at once (no writer wake-up on the way: the
+            # hop's latency); runs made while a batch of replies is handled are queued, so
+            # the writer sends them back to back and the workers receive them in batches.
+            if not self._in_batch and rep.out.empty() and rep.endpoint is not None:
+                try:
+                    if rep.endpoint.try_send(frames):
+                        continue
+                except (TransportError, RuntimeClosedError):
+                    pass  # the writer meets the same error and declares the replica lost
             rep.out.put_nowait(frames)
 
     def _routable(self, role: str) -> list[_Replica]:
@@ -593,8 +604,12 @@ class RemoteRoles:
                 batch = await rep.endpoint.recv_batch()
             except (RuntimeClosedError, TransportError, asyncio.CancelledError):
                 return
-            for _peer, frames in batch:
-                self._on_message(rep, frames)
+            self._in_batch = True
+            try:
+                for _peer, frames in batch:
+                    self._on_message(rep, frames)
+            finally:
+                self._in_batch = False
 
     def _on_message(self, rep: _Replica, frames: list[Any]) -> None:
         try:
