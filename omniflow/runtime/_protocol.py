@@ -7,6 +7,7 @@ the front exactly as an in-process method returned them, tuples and objects incl
     front -> worker                          worker -> front
     hello  {}                                ready  {replica, roles, pid}
     run    {c, a, n, k, s, g, q, gr}         frame  {c, a, f}          (any number)
+                                             frames {c, a, fs}         (several, in order)
     cancel {c, a}                            done   {c, a, e, f?}      (exactly one per run)
     release {refs}     end_call {c}     source_lost {addr, pid}
     stats  {r}                               stats  {r, replica, pid, plane}
@@ -23,7 +24,9 @@ the front exactly as an in-process method returned them, tuples and objects incl
 ``done`` travel on one connection, so they arrive in the order they were sent. A coroutine
 method's returned frame (not None) rides in its ``done`` as ``f`` instead of a ``frame`` of
 its own: one message per activation; the front applies ``f`` first, then the ``done``.
-Async generators still send one ``frame`` per yield.
+Async generators send the frames they yield within one event-loop turn as one ``frames``
+message (in order, at most 64): a stream that never pauses costs one message per batch, and a
+stream that pauses between yields still sends each frame at once.
 
 Leaving (SIGTERM or ``stop``): the worker deregisters, says ``bye`` to every front that
 said ``hello`` and keeps serving; each front stops routing to it and answers ``bye``

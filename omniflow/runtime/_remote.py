@@ -607,7 +607,10 @@ class RemoteRoles:
             self._in_batch = True
             try:
                 for _peer, frames in batch:
-                    self._on_message(rep, frames)
+                    try:
+                        self._on_message(rep, frames)
+                    except (KeyError, TypeError, ValueError) as exc:  # a malformed body
+                        logger.warning("replica %s sent a bad message: %r", rep.replica_id, exc)
             finally:
                 self._in_batch = False
 
@@ -619,6 +622,9 @@ class RemoteRoles:
             return
         if kind == "frame":
             self._replica_frame(rep, body)
+        elif kind == "frames":  # consecutive frames of one generator activation
+            for frame in body["fs"]:
+                self._replica_frame(rep, {"c": body["c"], "a": body["a"], "f": frame})
         elif kind == "done":
             if "f" in body:  # a coroutine's returned frame rides in its done
                 self._replica_frame(rep, body)

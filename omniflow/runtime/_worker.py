@@ -37,6 +37,10 @@ logger = logging.getLogger("omniflow.worker")
 _Key = tuple[bytes | None, str, int]
 
 
+#: Most frames of one generator activation sent in one ``frames`` message.
+FRAME_BATCH = 64
+
+
 class _Unsendable(OmniflowError):
     """A frame the codec cannot carry; the activation fails with this error."""
 
@@ -407,11 +411,42 @@ class Worker:
         self._done(peer, c, a, exc, None if exc is not None else task.result())
 
     async def _drive(self, key: _Key, agen: Any) -> None:
+        """Run a generator method. Frames yielded within one event-loop turn leave as one
+        ``frames`` message (at most FRAME_BATCH each): a stream that does not pause costs the
+        front one message per batch, and one that pauses still sends each frame at once."""
         peer, c, a = key
         exc: BaseException | None = None
+        batch: list[Any] = []
+        state: dict[str, Any] = {"scheduled": False, "error": None}
+
+        def flush() -> None:
+            state["scheduled"] = False
+            if not batch:
+                return
+            frames = batch[:]
+            batch.clear()
+            try:
+                if len(frames) == 1:
+                    self._send(peer, "frame", {"c": c, "a": a, "f": frames[0]})
+                else:
+                    self._send(peer, "frames", {"c": c, "a": a, "fs": frames})
+            except Exception as e:  # a value the wire cannot carry fails the activation
+                state["error"] = _Unsendable(f"a frame could not be sent to the front: {e}")
+
+        loop = asyncio.get_running_loop()
         try:
             async for frame in agen:
-                self._frame(peer, c, a, frame)
+                batch.append(self._placed(peer, c, a, frame))
+                if len(batch) >= FRAME_BATCH:
+                    flush()
+                elif not state["scheduled"]:
+                    state["scheduled"] = True
+                    loop.call_soon(flush)
+                if state["error"] is not None:
+                    raise state["error"]
+            flush()
+            if state["error"] is not None:
+                raise state["error"]
         except _Unsendable as e:
             exc = e
             with contextlib.suppress(BaseException):
@@ -422,6 +457,8 @@ class Worker:
             exc = e
         finally:
             self._running.pop(key, None)
+            if exc is not None:
+                flush()  # frames yielded before the failure still reach the front, in order
         self._done(peer, c, a, exc)
 
     def _placed(self, peer: bytes | None, c: str, a: int, frame: Any) -> Any:
