@@ -52,6 +52,8 @@ class Compiled:
     generators: frozenset[str]
     #: Nodes with max_concurrency -> the limit.
     throttled: dict[str, int]
+    #: Nodes admitted straight to running: not on a cycle, not lb="session", not throttled.
+    unconstrained: frozenset[str] = frozenset()
 
 
 def compile_plan(plan: StaticPlan) -> Compiled:
@@ -132,4 +134,9 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         throttled={
             n: sp.max_concurrency for n, sp in plan.specs.items() if sp.max_concurrency is not None
         },
+        unconstrained=frozenset(
+            n
+            for n, sp in plan.specs.items()
+            if n not in plan.cycle_nodes and sp.lb != "session" and sp.max_concurrency is None
+        ),
     )

@@ -376,7 +376,15 @@ class CallCore:
         if self.closing:
             self._let_go(act.refs)
             return
-        if node in self.c.cycle_nodes:
+        c = self.c
+        if node in c.unconstrained:  # no loop bound, no session order, no throttle: run it
+            self.n_acts += 1
+            self.live.inc(act.table, node)
+            act.state = RUNNING
+            self.running.add(act)
+            self.to_run.append(act)
+            return
+        if node in c.cycle_nodes:
             n = self._iterations.get(node, 0) + 1
             self._iterations[node] = n
             limit = self.c.plan.max_iterations
@@ -391,7 +399,6 @@ class CallCore:
                 return
         self.n_acts += 1
         self.live.inc(act.table, node)
-        c = self.c
         if node in c.session_nodes:
             sq = self._session.get(node)
             if sq is None:
@@ -553,7 +560,11 @@ class CallCore:
             return
         reason = b.refresh_live(self.live, dropped)
         if reason is None:
+            if b.open:
+                return  # still waiting for a field
             verdict, payload = b.decide()
+            if verdict == WAIT:
+                return
         else:
             verdict, payload = DEAD, reason
         spec = b.spec
@@ -561,8 +572,6 @@ class CallCore:
         key = b.key
         live = self.live
         bid = (node, spec.group, key)
-        if verdict == WAIT:
-            return
         if verdict == FIRE:
             self._retire_bucket(bid, b, "fired")
             if self._story is not None:
