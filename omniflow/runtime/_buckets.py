@@ -178,9 +178,29 @@ class Bucket:
                     break
             else:
                 return None  # nothing that ended feeds a field we still wait for
-        key = self.key
-        feeders, discount = spec.feeders, spec.discount
-        return self.refresh(lambda src: not live.reaches(key, feeders[src], discount), dropped)
+        # Nodes that still hold live work under our key (ourselves discounted): a field has
+        # ended when none of them can still feed it. One pass over the counts, then set tests.
+        counts = live.counts.get(self.key)
+        discount = spec.discount
+        alive = {n for n, c in counts.items() if c > discount.get(n, 0)} if counts else set()
+        ff = spec.field_feeders
+        if dropped is None:
+            candidates = list(self.open)
+        else:
+            feeds = spec.feeds
+            candidates = [
+                name for name in self.open if any(name in feeds.get(n, ()) for n in dropped)
+            ]
+        for name in candidates:
+            if not ff[name].isdisjoint(alive):
+                continue
+            if spec.by_field[name].critical and not self.frames.get(name):
+                if spec.by_field[name].mode == "plain":
+                    return f"critical input '{name}' will never arrive"
+                return f"collected input '{name}' ended with no frame"
+            self.settled.add(name)
+            self.open.discard(name)
+        return None
 
     def refresh(self, ended: Callable[[str], bool], dropped: Sequence[str] | None) -> str | None:
         """Settle every open field whose slots have all ended; ``dropped``: only fields those
