@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.plan._plan import NodeSpec, StaticPlan
@@ -54,6 +54,10 @@ class Compiled:
     throttled: dict[str, int]
     #: Nodes admitted straight to running: not on a cycle, not lb="session", not throttled.
     unconstrained: frozenset[str] = frozenset()
+    #: src -> field -> consumers (``routes`` by source, for a lookup without a key tuple).
+    routes_of: dict[str, dict[str, tuple[Route, ...]]] = field(default_factory=dict)
+    #: src ("<input>" too) -> its fields that go to the caller.
+    caller_fields: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def compile_plan(plan: StaticPlan) -> Compiled:
@@ -66,6 +70,9 @@ def compile_plan(plan: StaticPlan) -> Compiled:
     for f, srcs in plan.output_producers.items():
         for s in srcs:
             to_caller.setdefault(s, set()).add(f)
+    routes_of: dict[str, dict[str, tuple[Route, ...]]] = {n: {} for n in ("<input>", *plan.nodes)}
+    for (src, f), rs in routes.items():
+        routes_of[src][f] = tuple(rs)
     all_nodes = ["<input>", *plan.nodes]
     feeders = {n: frozenset(m for m in all_nodes if n in plan.reach[m]) for n in all_nodes}
     out_feeders = {
@@ -134,6 +141,8 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         throttled={
             n: sp.max_concurrency for n, sp in plan.specs.items() if sp.max_concurrency is not None
         },
+        routes_of=routes_of,
+        caller_fields={n: frozenset(to_caller.get(n, ())) for n in ("<input>", *plan.nodes)},
         unconstrained=frozenset(
             n
             for n, sp in plan.specs.items()

@@ -182,15 +182,15 @@ class CallCore:
             )
             return False
         outputs = self.c.outputs[node]
-        for f in frame:
-            if f not in outputs:
-                self._reject(
-                    act,
-                    f"produced field {f!r}, which is not among its declared "
-                    f"outputs {sorted(outputs)}; add it to outputs",
-                    field=str(f),
-                )
-                return False
+        if not outputs.issuperset(frame):
+            f = next(f for f in frame if f not in outputs)
+            self._reject(
+                act,
+                f"produced field {f!r}, which is not among its declared "
+                f"outputs {sorted(outputs)}; add it to outputs",
+                field=str(f),
+            )
+            return False
         idx = act.yidx
         act.yidx = idx + 1
         if node in self.c.stamping:
@@ -282,7 +282,7 @@ class CallCore:
     # ------------------------------------------------------------------ routing
 
     def _dispatch(self, src: str, f: str, value: Any, table: Table, seq: Entry) -> None:
-        routes = self.c.routes.get((src, f))
+        routes = self.c.routes_of[src].get(f)
         if routes:
             is_ref = type(value) is DataRef
             for dst, g, bspec in routes:
@@ -294,7 +294,7 @@ class CallCore:
                     self._admit(act)
                 else:
                     self._arrive(bspec, src, f, value, table, seq)
-        if src in self.c.to_caller and f in self.c.to_caller[src]:
+        if f in self.c.caller_fields[src]:
             self._emit(src, f, value, seq)
 
     def _arrive(
