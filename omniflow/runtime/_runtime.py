@@ -154,7 +154,7 @@ class Runtime:
                 processes,
                 registry=registry,
                 on_frame=self._remote_frame,
-                on_done=self._remote_done,
+                on_done=self._ended,
                 plane=self.plane,
                 offload=offload,
                 connectors=edge_conns,
@@ -549,13 +549,7 @@ class Runtime:
                 await agen.aclose()
             except BaseException as e:  # a generator that misbehaves on close
                 exc = exc or e
-        if call.done:
-            return
-        try:
-            self._done(call, core, act, exc)
-            self._pump(call)
-        except Exception as internal:
-            self._crash(call, internal)
+        self._ended(call, core, act, exc)
 
     def _done(self, call: Call, core: CallCore, act: Activation, exc: BaseException | None) -> None:
         m = self.metrics
@@ -580,9 +574,11 @@ class Runtime:
         except Exception as exc:
             self._crash(call, exc)
 
-    def _remote_done(
+    def _ended(
         self, call: Call, core: CallCore, act: Activation, exc: BaseException | None
     ) -> None:
+        """A method ended outside the pump (a generator task, a worker's ``done``): record it
+        and carry on; an internal error ends only this call."""
         if call.done:
             return
         try:

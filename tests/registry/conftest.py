@@ -2,27 +2,17 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from omniflow.registry import MemoryRegistry, MemoryStore, RedisRegistry, ServiceRegistry
-from omniflow.testing import RedisServer, RedisServerError, redis_server
+from omniflow.testing import RedisServer
 
 #: Short timings for tests: expiry within ~0.3 s, no long sleeps.
 HEARTBEAT = 0.1
 TTL = 0.3
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    """A private redis-server on a free port, killed after the test."""
-    try:
-        with redis_server() as server:
-            yield server
-    except RedisServerError as exc:
-        pytest.fail(f"cannot run the Redis registry tests: {exc}")
 
 
 class Backend:

@@ -32,28 +32,18 @@ from hypothesis import strategies as st
 import omniflow as of
 from omniflow.registry import RedisRegistry
 from omniflow.runtime._protocol import encode_msg
-from omniflow.testing import RedisServer, RedisServerError, redis_server
+from omniflow.testing import RedisServer
 from omniflow.transport import VERSION
 
 from . import mp_graphs as mp
 
 GRAPH_FILE = str(Path(mp.__file__).resolve())
-ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0}
+ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
 #: Registry heartbeat of every process in these tests; the registry ttl is 3 of them.
 HEARTBEAT = 0.2
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    """A private redis-server on a free port, killed after the test."""
-    try:
-        with redis_server() as server:
-            yield server
-    except RedisServerError as exc:
-        pytest.fail(f"cannot run the Redis registry tests: {exc}")
 
 
 @pytest.fixture
