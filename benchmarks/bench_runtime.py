@@ -860,21 +860,25 @@ def _versions() -> str:
     )
 
 
-async def main(quick: bool, profile: bool) -> None:
+SHAPES = {
+    "memory": shape_memory,
+    "chain": shape_chain,
+    "fanjoin": shape_fanjoin,
+    "fanslow": shape_fanslow,
+    "stream": shape_stream,
+    "concurrent": shape_concurrent,
+}
+
+
+async def main(quick: bool, profile: bool, only: list[str] | None = None) -> None:
     rep = Report()
     rep.out(f"Machine: {_versions()}", f"Mode: {'--quick' if quick else 'full'}", "")
     t0 = time.perf_counter()
     # Memory first, while the process is young, so that freed arenas from other shapes do
     # not hide growth.
-    for shape in (
-        shape_memory,
-        shape_chain,
-        shape_fanjoin,
-        shape_fanslow,
-        shape_stream,
-        shape_concurrent,
-    ):
-        await shape(rep, quick)
+    for name, shape in SHAPES.items():
+        if only is None or name in only:
+            await shape(rep, quick)
     rep.out("### Targets", "")
     rep.table(
         ["target", "measured", "met?"],
@@ -889,5 +893,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller counts (~1 minute)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile section")
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SHAPES),
+        help="run only this shape (repeatable); memory is measured first either way",
+    )
     args = ap.parse_args()
-    asyncio.run(main(args.quick, not args.no_profile))
+    asyncio.run(main(args.quick, not args.no_profile, args.only))

@@ -70,8 +70,13 @@ class BucketSpec:
     feeds: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
-def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
-    """Precompute a BucketSpec for every bucket of the plan."""
+def bucket_specs(
+    plan: StaticPlan, roots: dict[tuple[str, int], str] | None = None
+) -> dict[tuple[str, int], BucketSpec]:
+    """Precompute a BucketSpec for every bucket of the plan; ``roots`` overrides the plan's
+    diamond roots (the runtime keys buckets of once-per-call roots by the call's entry)."""
+    if roots is None:
+        roots = plan.diamond_roots
     feeders: dict[str, frozenset[str]] = {}
     for src in {s for slots in plan.slots.values() for _f, s in slots}:
         feeders[src] = frozenset(m for m, r in plan.reach.items() if src in r)
@@ -96,7 +101,7 @@ def bucket_specs(plan: StaticPlan) -> dict[tuple[str, int], BucketSpec]:
         out[(node, g)] = BucketSpec(
             node=node,
             group=g,
-            root=plan.diamond_roots[(node, g)],
+            root=roots[(node, g)],
             fields=tuple(fields),
             by_field={fs.name: fs for fs in fields},
             feeders={s: feeders[s] for fs in fields for s in fs.sources},
@@ -165,19 +170,26 @@ class Bucket:
             self.open.discard(fld)
         return None
 
+    def wakes_on(self, dropped: Sequence[str]) -> bool:
+        """Can live work ending at ``dropped`` change the decision? Only if one of those nodes
+        feeds a field still open (or nothing is open, and the bucket is decided anyway)."""
+        open_ = self.open
+        if not open_:
+            return True
+        feeds = self.spec.feeds
+        for n in dropped:
+            fields = feeds.get(n)
+            if fields is not None and not open_.isdisjoint(fields):
+                return True
+        return False
+
     def refresh_live(self, live: Any, dropped: Sequence[str] | None) -> str | None:
         """``refresh`` against liveness counts directly (the core's hot path)."""
         if not self.open:
             return None
         spec = self.spec
-        if dropped is not None:
-            feeds = spec.feeds
-            for n in dropped:
-                fields = feeds.get(n)
-                if fields is not None and not self.open.isdisjoint(fields):
-                    break
-            else:
-                return None  # nothing that ended feeds a field we still wait for
+        if dropped is not None and not self.wakes_on(dropped):
+            return None  # nothing that ended feeds a field we still wait for
         # Nodes that still hold live work under our key (ourselves discounted): a field has
         # ended when none of them can still feed it. One pass over the counts, then set tests.
         counts = live.counts.get(self.key)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniflow.dsl._role import _All
 from omniflow.plan._plan import NodeSpec, StaticPlan
 from omniflow.runtime._buckets import BucketSpec, bucket_specs
 
-__all__ = ["Compiled", "Route", "compile_plan"]
+__all__ = ["Compiled", "Route", "compile_plan", "once_per_call"]
 
 #: One consumer of a (node, field): (dst node, or_group, bucket spec or None for direct fire).
 Route = tuple[str, int, BucketSpec | None]
@@ -60,8 +61,82 @@ class Compiled:
     caller_fields: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
+def once_per_call(plan: StaticPlan) -> frozenset[str]:
+    """Nodes that produce at most one frame per call, whose frames carry the call's SeqId, and
+    whose ancestors are all finished once they fire.
+
+    Such a node: lies on no cycle, is no generator and no lb="session" node, has one OR group,
+    and each field of that group is either an ALL count field (a join fires once per call,
+    after those streams end) or has exactly one source, itself once per call or "<input>".
+    Once it has fired, no live work can reach it again: its single-source inputs come from
+    activations that ended when they produced them, and by induction so did theirs.
+    """
+    single: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for n in plan.nodes:
+            sp = plan.specs[n]
+            if (
+                n in single
+                or n in plan.cycle_nodes
+                or sp.is_generator
+                or n in plan.seq_producers
+                or len(sp.groups) != 1
+            ):
+                continue
+            counts = dict(sp.count)
+            for f in sp.groups[0]:
+                if f in counts:
+                    if isinstance(counts[f], _All):
+                        continue
+                    break
+                srcs = plan.producers[f]
+                if len(srcs) != 1 or (srcs[0] != "<input>" and srcs[0] not in single):
+                    break
+            else:
+                single.add(n)
+                changed = True
+    return frozenset(single)
+
+
+def _entry_droppers(plan: StaticPlan) -> set[str]:
+    """Diamond roots whose entry some frame loses on its way to one of their buckets.
+
+    A bucket cuts the tables of its frames at its own root's entry and a join at the call's,
+    so a path from root R through such a node reaches R's bucket without R's entry, and lands
+    in another bucket than the frames that kept it. Keying R's buckets by the call's entry
+    would merge those, so R keeps its own entry unless every node between it and the sources
+    of its buckets is direct-fire or gathers under R itself.
+    """
+    out: set[str] = set()
+    for (node, g), root in plan.diamond_roots.items():
+        if root == "<input>" or root in out:
+            continue
+        srcs = {s for _f, s in plan.slots[(node, g)]}
+        for m in plan.reach[root]:
+            if m == root or m == "<input>" or srcs.isdisjoint(plan.reach[m]):
+                continue
+            sp = plan.specs[m]
+            if sp.is_join or any(
+                plan.diamond_roots[(m, gm)] != root
+                for gm in range(len(sp.groups))
+                if (m, gm) in plan.buckets
+            ):
+                out.add(root)
+                break
+    return out
+
+
 def compile_plan(plan: StaticPlan) -> Compiled:
-    bspecs = bucket_specs(plan)
+    # A diamond root that fires once per call names one bucket per call, as the call's own
+    # entry does: key its buckets by that entry, so the root stamps nothing and everything
+    # below it carries a shorter table. Its frame's descendants are all the work under the
+    # call's entry that can still reach the bucket (nothing upstream of it is live after it
+    # fired), so liveness answers the same questions.
+    single = once_per_call(plan) - _entry_droppers(plan)
+    roots = {bg: "<input>" if r in single else r for bg, r in plan.diamond_roots.items()}
+    bspecs = bucket_specs(plan, roots)
     routes: dict[tuple[str, str], list[Route]] = {}
     for src, lst in plan.ctrl_edges.items():
         for dst, g, f in lst:
@@ -95,7 +170,7 @@ def compile_plan(plan: StaticPlan) -> Compiled:
             nxt: list[str] = []
             for g, fields in enumerate(plan.specs[n].groups):
                 if (n, g) in plan.buckets:
-                    root = plan.diamond_roots[(n, g)]
+                    root = roots[(n, g)]
                     if root == "<input>":
                         continue  # its activations carry the call's entry, index 0 only
                     srcs = {s for _f, s in plan.slots[(n, g)]}
@@ -125,7 +200,7 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         plan=plan,
         routes={k: tuple(v) for k, v in routes.items()},
         to_caller={k: frozenset(v) for k, v in to_caller.items()},
-        stamping=plan.root_nodes | plan.seq_producers,
+        stamping=frozenset(r for r in roots.values() if r != "<input>") | plan.seq_producers,
         seq_nodes=plan.seq_producers | {"<input>"},
         out_feeders=out_feeders,
         feeders=feeders,

@@ -47,7 +47,6 @@ class Activation:
 
     __slots__ = (
         "aid",
-        "failed",
         "group",
         "kwargs",
         "node",
@@ -59,6 +58,10 @@ class Activation:
         "task",
         "yidx",
     )
+
+    #: When the method started: set, and read, by the shell only while metrics are on (left
+    #: unset otherwise, one store less per activation).
+    t0: float
 
     def __init__(
         self, aid: int, node: str, group: int, kwargs: dict[str, Any], table: Table, seq: Entry
@@ -79,12 +82,8 @@ class Activation:
         self.state = PENDING
         #: Frames produced so far (the next frame's yield index).
         self.yidx = 0
-        #: Set when the core rejected one of its frames; the shell stops the method.
-        self.failed = False
         #: The shell's handle (task) while the method is suspended.
         self.task: Any = None
-        #: When the method started (set by the shell only while metrics are on).
-        self.t0 = 0.0
         #: Data-plane refs among its inputs (each held until the activation ends).
         self.refs: list[DataRef] | None = None
 
@@ -173,6 +172,19 @@ class CallCore:
         """A method returned or yielded ``frame``. False: stop the method (frame rejected)."""
         if self.closing:
             return False
+        if self._frame(act, frame):
+            self._settle()
+            return True
+        return False
+
+    def on_return(self, act: Activation, value: Any) -> None:
+        """``on_frame(act, value)`` (unless value is None) then ``on_done(act)``, settled once:
+        the common end of a coroutine method that finished within one step."""
+        if value is not None and not self.closing:
+            self._frame(act, value)
+        self.on_done(act)
+
+    def _frame(self, act: Activation, frame: Any) -> bool:
         node = act.node
         if not isinstance(frame, dict):
             self._reject(
@@ -212,9 +224,10 @@ class CallCore:
                 self._dispatch(node, f, v, table, seq)
             self.live.dec(table, node)
         else:
+            table = act.table
+            seq = act.seq
             for f, v in frame.items():
-                self._dispatch(node, f, v, act.table, act.seq)
-        self._settle()
+                self._dispatch(node, f, v, table, seq)
         return True
 
     def on_done(self, act: Activation, exc: BaseException | None = None) -> None:
@@ -232,14 +245,15 @@ class CallCore:
         if exc is not None:
             self._record_exc(act, exc)
         c = self.c
-        if node in c.session_nodes:
-            self._session[node].busy = False
-            self._pump_session(node)
-        if node in c.throttled:
-            self._running_per_node[node] -= 1
-            blocked = self._blocked.get(node)
-            if blocked and not self.closing:
-                self._run(blocked.popleft())
+        if node not in c.unconstrained:
+            if node in c.session_nodes:
+                self._session[node].busy = False
+                self._pump_session(node)
+            if node in c.throttled:
+                self._running_per_node[node] -= 1
+                blocked = self._blocked.get(node)
+                if blocked and not self.closing:
+                    self._run(blocked.popleft())
         self._settle()
 
     def cancel(self, kind: str = "cancel", reason: str = "the call was cancelled") -> None:
@@ -282,19 +296,28 @@ class CallCore:
     # ------------------------------------------------------------------ routing
 
     def _dispatch(self, src: str, f: str, value: Any, table: Table, seq: Entry) -> None:
-        routes = self.c.routes_of[src].get(f)
+        c = self.c
+        routes = c.routes_of[src].get(f)
         if routes:
             is_ref = type(value) is DataRef
             for dst, g, bspec in routes:
-                if bspec is None:
-                    act = Activation(next(self._aids), dst, g, {f: value}, table, seq)
-                    if is_ref:
-                        act.refs = [value]
-                        self._hold(value)
-                    self._admit(act)
-                else:
+                if bspec is not None:
                     self._arrive(bspec, src, f, value, table, seq)
-        if f in self.c.caller_fields[src]:
+                    continue
+                act = Activation(next(self._aids), dst, g, {f: value}, table, seq)
+                if is_ref:
+                    act.refs = [value]
+                    self._hold(value)
+                if dst in c.unconstrained and not self.closing:
+                    # ``_admit``'s first case, inline: the common hop of every graph.
+                    self.n_acts += 1
+                    self.live.inc(table, dst)
+                    act.state = RUNNING
+                    self.running.add(act)
+                    self.to_run.append(act)
+                else:
+                    self._admit(act)
+        if f in c.caller_fields[src]:
             self._emit(src, f, value, seq)
 
     def _arrive(
@@ -534,7 +557,8 @@ class CallCore:
                     for w in sorted(ws, key=_waiter_order) if len(ws) > 1 else list(ws):
                         if isinstance(w, Bucket):
                             # Only a node that feeds a still-open slot can have ended one.
-                            self._evaluate(w, dropped)
+                            if w.wakes_on(dropped):
+                                self._evaluate(w, dropped)
                             continue
                         so, f, node = w
                         if so.watching != e[2]:
@@ -701,7 +725,6 @@ class CallCore:
         self._log("error", node=act.node, aid=act.aid, error=str(exc))
 
     def _reject(self, act: Activation, message: str, field: str | None = None) -> None:
-        act.failed = True
         self._node_error(act.node, message, field=field)
 
     def _node_error(self, node: str, message: str, field: str | None = None) -> None:

@@ -474,11 +474,11 @@ class Runtime:
                 coro = method(**act.kwargs)
                 fut = coro.send(None)
             except StopIteration as stop:
-                if stop.value is not None:
-                    core.on_frame(act, stop.value)
                 if self.metrics is None:
-                    core.on_done(act)
+                    core.on_return(act, stop.value)
                 else:
+                    if stop.value is not None:
+                        core.on_frame(act, stop.value)
                     self._done(call, core, act, None)
                 return
             except (Exception, asyncio.CancelledError) as exc:

@@ -149,3 +149,94 @@ async def test_bucket_after_a_generator_keeps_its_roots_seq_order() -> None:
         got = [(f.value, f.seq) for f in frames if f.field == fld]
         assert got == [([0], 0), ([1], 1)], fld
     assert log.seen == [[0], [1]]
+
+
+# ---------------------------------------------------------------- once-per-call roots
+#
+# The runtime keys the buckets of a diamond root that fires once per call by the call's own
+# entry (the root stamps nothing). That is only the same bucket as the root's entry when every
+# frame keeps that entry on its way: here n1.run is a join, whose frames carry only the call's
+# entry, so n4.run's f0b frames from n0.run and from n1.run belong to two buckets (two
+# activations). Keying by the call's entry merged them into one, and the second frame of the
+# plain field broke its rule (found by test_random_dag_matches_reference).
+
+
+class _J0(of.Role):
+    @of.interface(inputs_or=[["p0"]], outputs=["f0a", "f0b"], activate_by_count={"p0": of.ALL})
+    async def run(self, p0: list[Any]) -> Any:
+        return {"f0a": "a", "f0b": "from-n0"}
+
+
+class _J1(of.Role):
+    @of.interface(inputs_or=[["f0a"]], outputs=["f0b"], activate_by_count={"f0a": of.ALL})
+    async def run(self, f0a: list[Any]) -> Any:
+        return {"f0b": "from-n1"}
+
+
+class _N4(of.Role):
+    @of.interface(inputs_or=[["f0a"], ["f0b"]], outputs=["f4a"], collect=["f0a"])
+    async def run(self, f0a: Any = None, f0b: Any = None) -> Any:
+        return {"f4a": ("a", f0a) if f0b is None else ("b", f0b)}
+
+
+async def test_root_whose_entry_a_join_drops_keeps_its_own_buckets() -> None:
+    graph = of.Graph(
+        "join_between",
+        roles={"n0": _J0(), "n1": _J1(), "n4": _N4()},
+        inputs=[of.Placeholder("p0")],
+        outputs=["f4a"],
+    )
+    call, frames = await _run(graph, {"p0": 0})
+    assert call.status == "ok", call.errors
+    assert sorted(f.value for f in frames) == [("a", ["a"]), ("b", "from-n0"), ("b", "from-n1")]
+
+
+# A once-per-call root with only direct-fire nodes below it (the fan-out + join shape): its
+# bucket is keyed by the call's entry. Branches end without a frame (a critical slot: DEAD) or
+# fail on negative inputs; the answers must be those of a stamped root.
+
+
+class _Seed(of.Role):
+    @of.interface(inputs_or=[["x"]], outputs=["s"])
+    async def run(self, x: int) -> Any:
+        return {"s": x}
+
+
+def _branch(i: int, mode: str) -> of.Role:
+    async def run(self: Any, s: int) -> Any:
+        await asyncio.sleep(0)  # some branches suspend, some finish in their first step
+        if s < 0 and mode == "none":
+            return None
+        if s < 0 and mode == "raise":
+            raise ValueError(f"branch {i} failed")
+        return {f"o{i}": s + i}
+
+    iface = of.interface(inputs_or=[["s"]], outputs=[f"o{i}"])(run)
+    return type(f"Branch{i}", (of.Role,), {"run": iface})()  # type: ignore[no-any-return]
+
+
+class _Meet(of.Role):
+    @of.interface(inputs_or=[["o0", "o1", "o2"]], outputs=["out"])
+    async def run(self, o0: int, o1: int, o2: int) -> Any:
+        return {"out": (o0, o1, o2)}
+
+
+def _fan(modes: tuple[str, str, str]) -> of.Graph:
+    roles: dict[str, Any] = {"src": _Seed(), "join": _Meet()}
+    roles.update({f"b{i}": _branch(i, m) for i, m in enumerate(modes)})
+    return of.Graph("fan", roles=roles, inputs=[of.Placeholder("x")], outputs=["out"])
+
+
+async def test_once_per_call_root_keys_its_bucket_by_the_call() -> None:
+    graph = _fan(("ok", "none", "raise"))
+    rt = of.Runtime(graph, validate=True)
+    assert rt.plans["fan"].diamond_roots[("join.run", 0)] == "src.run"  # the plan is unchanged
+    compiled = rt._compiled["fan"]
+    assert "src.run" not in compiled.stamping
+    call, frames = await _run(graph, {"x": 1})
+    assert call.status == "ok" and [f.value for f in frames] == [(1, 2, 3)]
+    _, frames = await _run(_fan(("ok", "none", "ok")), {"x": -1})
+    assert frames == []  # o1 never arrives: the bucket is DEAD, the call still ends "ok"
+    call, frames = await _run(graph, {"x": -1})
+    assert frames == [] and call.status == "error"
+    assert [e.node for e in call.errors] == ["b2.run"]
