@@ -47,6 +47,16 @@ class FieldSpec:
     threshold: int | None
     #: Exactly one source: if it ends with no frame, the bucket is DEAD (not for count fields).
     critical: bool
+    #: Satisfied only when its streams end (collect, ALL): a frame never completes it.
+    ends_only: bool = field(init=False)
+    #: Satisfied by its first frame (a plain field of one source, or a count of 1).
+    first_frame: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        ends = self.mode == "collect" or (self.mode == "count" and self.threshold is None)
+        object.__setattr__(self, "ends_only", ends)
+        first = (self.mode == "plain" and len(self.sources) == 1) or self.threshold == 1
+        object.__setattr__(self, "first_frame", first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,14 @@ class BucketSpec:
     discount: dict[str, int] = field(default_factory=dict)
     #: node -> the fields whose slots it can still feed (inverse of field_feeders).
     feeds: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: Keyed by the call's entry (a join, or rooted at "<input>").
+    by_call: bool = field(init=False)
+    #: Field names.
+    names: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_call", self.is_join or self.root == "<input>")
+        object.__setattr__(self, "names", frozenset(self.by_field))
 
 
 def bucket_specs(
@@ -147,7 +165,7 @@ class Bucket:
         #: Fields whose every slot has ended (learned at evaluations; ending is final).
         self.settled: set[str] = set()
         #: Fields not yet satisfied (by their frames, or by their slots ending).
-        self.open: set[str] = {fs.name for fs in spec.fields}
+        self.open: set[str] = set(spec.names)
         #: Set once it fired or died (it is out of the bucket table then).
         self.retired = False
 
@@ -158,7 +176,7 @@ class Bucket:
         if lst is None:
             self.frames[fld] = [(sort_key, value)]
             self.arrivals += 1
-            if (fs.mode == "plain" and len(fs.sources) == 1) or fs.threshold == 1:
+            if fs.first_frame:
                 self.open.discard(fld)
             return None
         err = rule_error(fs, len(lst))
@@ -245,19 +263,23 @@ class Bucket:
         """From what arrived and what settled: WAIT, (FIRE, kwargs) or (DEAD, reason)."""
         if self.open:
             return WAIT, None
-        frames = self.frames
-        kwargs = {fs.name: _settled_value(fs, frames.get(fs.name)) for fs in self.spec.fields}
         if not self.arrivals:
             return DEAD, "every input ended without a frame"
+        frames = self.frames
+        kwargs = {}
+        for fs in self.spec.fields:
+            lst = frames.get(fs.name)
+            if fs.mode == "plain":  # the common case, inline
+                kwargs[fs.name] = lst[0][1] if lst else None
+            else:
+                kwargs[fs.name] = _settled_value(fs, lst)
         return FIRE, kwargs
 
     def could_fire_now(self, fs: FieldSpec) -> bool:
         """After a frame of ``fs`` arrived: can the bucket fire without waiting for a slot to
         end? A frame never ends another slot, so only a frame that completes the set can;
         collected and ALL fields are satisfied only by their streams ending."""
-        if fs.mode == "collect" or (fs.mode == "count" and fs.threshold is None):
-            return False
-        return not self.open
+        return not fs.ends_only and not self.open
 
     def evaluate(
         self, ended: Callable[[str], bool], dropped: Sequence[str] | None = None

@@ -19,6 +19,7 @@ from omniflow._exceptions import NodeError
 
 if TYPE_CHECKING:
     from omniflow.runtime._core import CallCore
+    from omniflow.runtime._params import SessionParams
     from omniflow.runtime._runtime import Runtime
 
 __all__ = ["Call", "Frame"]
@@ -71,6 +72,10 @@ class Call:
         self.high_water = runtime.stream_high_water
         self._readers = 0
         self._space: asyncio.Future[None] | None = None
+        #: The session's GlobalParameters (a call without a session gets its own on first use).
+        self._params: SessionParams | None = None
+        #: node -> coroutine method started inline by the runtime (set when the call starts).
+        self._coros: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"<Call {self.graph}#{self.call_id} session={self.session!r} {self.status}>"

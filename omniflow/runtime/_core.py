@@ -323,7 +323,7 @@ class CallCore:
     def _arrive(
         self, bspec: BucketSpec, src: str, f: str, value: Any, table: Table, seq: Entry
     ) -> None:
-        if bspec.is_join or bspec.root == "<input>":
+        if bspec.by_call:
             pos = 0
         else:
             root = bspec.root
@@ -365,7 +365,9 @@ class CallCore:
             fresh = True
         else:
             fresh = False
-        err = b.add(f, value, (table[len(b.table) :], b.arrivals))
+        fs = bspec.by_field[f]
+        # Frames of a plain field are never sorted: skip building their sort key.
+        err = b.add(f, value, None if fs.mode == "plain" else (table[len(b.table) :], b.arrivals))
         if type(value) is DataRef and err is None:
             b.refs.append(value)
             self._hold(value)
@@ -377,7 +379,7 @@ class CallCore:
         # producer's activation (or dispatch hold) always ends after this arrival.
         if fresh:
             self._evaluate(b, None)
-        elif b.could_fire_now(bspec.by_field[f]):
+        elif not b.open and not fs.ends_only:  # ``could_fire_now``, inline
             self._touched.append(b)
 
     @staticmethod
@@ -575,7 +577,8 @@ class CallCore:
                             self._pump_session(node)
                         else:
                             self._release_caller(f, so)
-        self._maybe_finish()
+        if not self.n_acts:
+            self._maybe_finish()
 
     def _evaluate(self, b: Bucket, dropped: Sequence[str] | None = ()) -> None:
         """Decide a bucket. ``dropped``: nodes whose live work under its key just ended (only

@@ -52,8 +52,11 @@ class RuntimeState(enum.Enum):
     CLOSED = "closed"
 
 
-def _context_of(call: Call, act: Activation, params: SessionParams) -> ActivationContext:
+def _context_of(call: Call, act: Activation) -> ActivationContext:
     """Build the context of a local activation (only when its method calls of.context())."""
+    params = call._params
+    if params is None:  # a call without a session: its parameters live as long as it does
+        params = call._params = SessionParams(call._rt._factories)
     return ActivationContext(
         graph=call.graph,
         session=call.session,
@@ -169,6 +172,16 @@ class Runtime:
         self._compiled: dict[str, Compiled] = {
             name: compile_plan(p) for name, p in self.plans.items()
         }
+        #: graph -> node -> bound method, for the coroutine methods this process runs (what
+        #: ``_launch`` starts inline; remote nodes and generators take the longer way).
+        self._coros: dict[str, dict[str, Any]] = {
+            name: {
+                n: m
+                for n, m in c.methods.items()
+                if n not in self._remote_nodes and n not in c.generators
+            }
+            for name, c in self._compiled.items()
+        }
         self._factories: dict[str, GlobalParameters] = {}
         for p in self.plans.values():
             self._factories.update(p.params)
@@ -183,7 +196,6 @@ class Runtime:
         self._calls: dict[str, Call] = {}
         self._queues: dict[str, deque[Call]] = {}
         self._params: dict[str, SessionParams] = {}
-        self._call_params: dict[str, SessionParams] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: Bounded log of transitions: (call id, event, details).
         self.story_log: deque[tuple[Any, ...]] | None = (
@@ -400,14 +412,12 @@ class Runtime:
         if self.metrics is not None:
             self.metrics.calls_started += 1
         call.status = "running"
-        if call.session is None:
-            params = SessionParams(self._factories)
-        else:
+        call._coros = self._coros[call.graph]
+        if call.session is not None:
             held = self._params.get(call.session)
             if held is None:
                 held = self._params[call.session] = SessionParams(self._factories)
-            params = held
-        self._call_params[call.call_id] = params
+            call._params = held
         inputs = call._inputs or {}
         call._inputs = None
         try:
@@ -451,25 +461,13 @@ class Runtime:
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
         if self.metrics is not None:
             act.t0 = time.perf_counter()
-        if act.node in self._remote_nodes:
-            assert self.remote is not None
-            self.remote.submit(call, core, act)
-            return
-        if act.refs and not self._resolve_inputs(call, core, act):
-            return
-        method = core.c.methods[act.node]
-        token = _current.set((_context_of, call, act, self._call_params[call.call_id]))
-        try:
-            if act.node in core.c.generators:
-                try:
-                    agen = method(**act.kwargs)
-                except Exception as exc:
-                    self._done(call, core, act, exc)
-                    return
-                task = asyncio.get_running_loop().create_task(self._drive(call, core, act, agen))
-                act.task = task
-                self._track(task)
+        method = call._coros.get(act.node)
+        if method is None or act.refs:
+            method = self._launch_other(call, core, act)
+            if method is None:
                 return
+        token = _current.set((_context_of, call, act))
+        try:
             try:
                 coro = method(**act.kwargs)
                 fut = coro.send(None)
@@ -490,6 +488,34 @@ class Runtime:
             task.add_done_callback(lambda t: self._resumed(call, core, act, coro, t))
         finally:
             _current.reset(token)
+
+    def _launch_other(self, call: Call, core: CallCore, act: Activation) -> Any:
+        """``_launch`` for a remote node, a generator, or inputs on the data plane: start it
+        here, or return the coroutine method to start the common way (None: started)."""
+        node = act.node
+        if node in self._remote_nodes:
+            assert self.remote is not None
+            self.remote.submit(call, core, act)
+            return None
+        if act.refs and not self._resolve_inputs(call, core, act):
+            return None
+        method = core.c.methods[node]
+        if node not in core.c.generators:
+            return method
+        token = _current.set((_context_of, call, act))
+        try:
+            try:
+                agen = method(**act.kwargs)
+            except Exception as exc:
+                self._done(call, core, act, exc)
+                return None
+            # The task copies the context now, with this activation's in it.
+            task = asyncio.get_running_loop().create_task(self._drive(call, core, act, agen))
+        finally:
+            _current.reset(token)
+        act.task = task
+        self._track(task)
+        return None
 
     def _resumed(
         self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
@@ -668,7 +694,6 @@ class Runtime:
         if call.done:
             return
         self._calls.pop(call.call_id, None)
-        self._call_params.pop(call.call_id, None)
         if self.remote is not None:
             self.remote.end_call(call.call_id)
         if self.plane is not None:
