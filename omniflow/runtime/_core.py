@@ -254,6 +254,14 @@ class CallCore:
                 blocked = self._blocked.get(node)
                 if blocked and not self.closing:
                     self._run(blocked.popleft())
+        if not self.to_run:
+            self._settle()
+        # Otherwise the shell is starting the activations in ``to_run`` and settles once they
+        # are started (``settle``): one pass over what a whole batch of returns left behind.
+
+    def settle(self) -> None:
+        """Evaluate what ended since the last settle (the shell calls this after starting
+        ``to_run``; stimuli settle on their own when nothing is left to start)."""
         self._settle()
 
     def cancel(self, kind: str = "cancel", reason: str = "the call was cancelled") -> None:
@@ -758,7 +766,14 @@ class CallCore:
     # ------------------------------------------------------------------ invariants
 
     def validate(self) -> None:
-        """Check every invariant of the call's state; raise AssertionError naming the breach."""
+        """Check every invariant of the call's state; raise AssertionError naming the breach.
+        Call it between stimuli, after the shell settled (not from inside a step)."""
+        if self._touched or self.live.dirty:
+            raise AssertionError(
+                f"call {self.call_id}: left unsettled (touched {len(self._touched)} buckets, "
+                f"liveness drops under {sorted(self.live.dirty)}); the shell must settle() "
+                "after starting to_run"
+            )
         work: list[tuple[Table, str]] = []
         acts = set(self.running) | set(self.to_run)
         for sq in self._session.values():

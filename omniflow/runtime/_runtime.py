@@ -431,8 +431,12 @@ class Runtime:
         if core is None:
             return
         run = core.to_run
-        while run:
-            self._launch(call, core, run.popleft())
+        while True:
+            while run:
+                self._launch(call, core, run.popleft())
+            core.settle()  # what the batch of returns left (it may start more work)
+            if not run:
+                break
         if core.to_release:
             self._release(core.to_release)
             core.to_release = []

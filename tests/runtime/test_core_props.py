@@ -151,13 +151,29 @@ class CallCoreMachine(RuleBasedStateMachine):
 
     # -- the shell's side of every stimulus
 
-    def _pump(self) -> None:
+    def _pump(self, data: st.DataObject | None = None) -> None:
+        """Start what the core asks for, as the shell does: a method may suspend (it runs on,
+        in ``running``) or return within its first step (``on_return`` while later ones wait
+        in ``to_run``, so the core defers its settling), then ``settle`` once per batch."""
         core = self.core
         assert core is not None
-        while core.to_run:
-            act = core.to_run.popleft()
-            assert act.state == 1, act  # RUNNING
-            self.running.append(act)
+        while True:
+            while core.to_run:
+                act = core.to_run.popleft()
+                assert act.state == 1, act  # RUNNING
+                spec = self.c.specs[act.node]
+                if (
+                    data is not None
+                    and not spec.is_generator
+                    and data.draw(st.integers(0, 2), label="returns at once") == 0
+                ):
+                    frame = {f: self._value(act) for f in spec.outputs}
+                    core.on_return(act, frame if data.draw(st.booleans(), label="frame") else None)
+                else:
+                    self.running.append(act)
+            core.settle()
+            if not core.to_run:
+                break
         self.emitted.extend(core.emitted)
         core.emitted = []
         core.to_cancel.clear()  # the shell would cancel their tasks; they finish later
@@ -201,7 +217,7 @@ class CallCoreMachine(RuleBasedStateMachine):
             core.on_done(act)
         elif not self.c.specs[act.node].is_generator:
             core.on_done(act)  # a coroutine returns its one frame and is done
-        self._pump()
+        self._pump(data)
 
     @rule(data=st.data(), how=st.sampled_from(["ok", "ok", "error", "cancelled"]))
     def finish(self, data: st.DataObject, how: str) -> None:
@@ -215,7 +231,7 @@ class CallCoreMachine(RuleBasedStateMachine):
         elif how == "cancelled":
             exc = asyncio.CancelledError()
         self.core.on_done(act, exc)
-        self._pump()
+        self._pump(data)
 
     @rule(dice=st.integers(0, 5))
     def cancel(self, dice: int) -> None:
