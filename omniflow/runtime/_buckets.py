@@ -206,21 +206,21 @@ class Bucket:
         if not self.open:
             return None
         spec = self.spec
-        if dropped is not None and not self.wakes_on(dropped):
-            return None  # nothing that ended feeds a field we still wait for
+        if dropped is None:
+            candidates = list(self.open)
+        else:  # only fields the dropped nodes feed can have ended
+            feeds = spec.feeds
+            candidates = [
+                name for name in self.open if any(name in feeds.get(n, ()) for n in dropped)
+            ]
+            if not candidates:
+                return None
         # Nodes that still hold live work under our key (ourselves discounted): a field has
         # ended when none of them can still feed it. One pass over the counts, then set tests.
         counts = live.counts.get(self.key)
         discount = spec.discount
         alive = {n for n, c in counts.items() if c > discount.get(n, 0)} if counts else set()
         ff = spec.field_feeders
-        if dropped is None:
-            candidates = list(self.open)
-        else:
-            feeds = spec.feeds
-            candidates = [
-                name for name in self.open if any(name in feeds.get(n, ()) for n in dropped)
-            ]
         for name in candidates:
             if not ff[name].isdisjoint(alive):
                 continue
@@ -266,13 +266,7 @@ class Bucket:
         if not self.arrivals:
             return DEAD, "every input ended without a frame"
         frames = self.frames
-        kwargs = {}
-        for fs in self.spec.fields:
-            lst = frames.get(fs.name)
-            if fs.mode == "plain":  # the common case, inline
-                kwargs[fs.name] = lst[0][1] if lst else None
-            else:
-                kwargs[fs.name] = _settled_value(fs, lst)
+        kwargs = {fs.name: _settled_value(fs, frames.get(fs.name)) for fs in self.spec.fields}
         return FIRE, kwargs
 
     def could_fire_now(self, fs: FieldSpec) -> bool:

@@ -316,15 +316,7 @@ class CallCore:
                 if is_ref:
                     act.refs = [value]
                     self._hold(value)
-                if dst in c.unconstrained and not self.closing:
-                    # ``_admit``'s first case, inline: the common hop of every graph.
-                    self.n_acts += 1
-                    self.live.inc(table, dst)
-                    act.state = RUNNING
-                    self.running.add(act)
-                    self.to_run.append(act)
-                else:
-                    self._admit(act)
+                self._admit(act)
         if f in c.caller_fields[src]:
             self._emit(src, f, value, seq)
 
@@ -387,7 +379,7 @@ class CallCore:
         # producer's activation (or dispatch hold) always ends after this arrival.
         if fresh:
             self._evaluate(b, None)
-        elif not b.open and not fs.ends_only:  # ``could_fire_now``, inline
+        elif b.could_fire_now(fs):
             self._touched.append(b)
 
     @staticmethod
