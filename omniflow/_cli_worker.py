@@ -43,20 +43,34 @@ def register(subparsers: Subparsers) -> None:
         default=30.0,
         help="on SIGTERM, seconds to let running activations finish before cancelling them",
     )
-    # Set by a front that spawns the worker: leave when that process is gone.
+    p.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the cluster key (default: $OMNIFLOW_CLUSTER_KEY); every front and "
+        "worker of a deployment must use the same key",
+    )
+    # Set by a front that spawns the worker: leave when that process is gone; only the front
+    # whose hello carries this token may stop it.
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--owner", default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from omniflow._exceptions import OmniflowError
     from omniflow.runtime._worker import run_worker
+    from omniflow.transport._auth import load_key_file, resolve_key
 
     if args.bind is None and args.registry is None:
         raise OmniflowError(
             "a hand-started worker needs --registry (so front processes can find it) or --bind"
         )
     address = args.bind or f"tcp://{args.host}:0"
+    if args.cluster_key_file is not None:
+        key = load_key_file(args.cluster_key_file)
+    else:
+        key = resolve_key(generate=False)[0]  # a worker cannot make one up: fronts must agree
     return run_worker(
         list(args.graphs),
         list(args.role),
@@ -66,4 +80,6 @@ def _run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat,
         drain_timeout=args.drain,
         parent_pid=args.parent_pid,
+        cluster_key=key,
+        owner=args.owner,
     )

@@ -102,6 +102,7 @@ class NodeError(OmniflowError):
         call_id: str | None = None,
         graph: str | None = None,
         exc_type: str | None = None,
+        traceback: str | None = None,
     ) -> None:
         super().__init__(f"node '{node}': {message}")
         self.node = node
@@ -111,6 +112,9 @@ class NodeError(OmniflowError):
         self.call_id = call_id
         self.graph = graph
         self.exc_type = exc_type
+        #: The formatted traceback of the exception the node raised (for server logs; never
+        #: sent to HTTP clients). None for cancels and for errors omniflow itself detected.
+        self.traceback: str | None = traceback
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe form, used by the server and the worker protocol."""

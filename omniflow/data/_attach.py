@@ -99,12 +99,15 @@ class PoolAttachment(_BlockIO):
     reference for it (granted before the handle was sent) and tells the owner when it is done.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, private: bool = False) -> None:
         #: Name of the segment (``BlockHandle.pool``).
         self.name = name
         #: OPEN until ``close()``.
         self.state = PoolState.OPEN
-        self._segment = Segment.attach(name)
+        #: Mapped copy-on-write: writes through views stay in this process (pages never
+        #: written still show the owner's bytes, zero-copy).
+        self.private = private
+        self._segment = Segment.attach(name, private=private)
 
     def close(self) -> None:
         """Unmap (deferred while views are alive); the owner's segment is untouched."""

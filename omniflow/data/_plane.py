@@ -6,7 +6,7 @@ into the producing process's ``SharedBufferPool`` under the call as owner, and a
 three connectors (the RFC's put / get / cleanup / health):
 
     inproc  same process: the producer's own object, zero-copy
-    shm     same host: the producer's slab attached by name, a zero-copy read-only view
+    shm     same host: the producer's slab mapped copy-on-write, a zero-copy writable view
     zmq     another host: pulled from the producer over ZMQ on demand (the producer never pushes)
 
 The choice is per edge (``Runtime(connectors={...})``, default ``"auto"``: the cheapest one that
@@ -31,6 +31,15 @@ from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
 from omniflow.data._attach import PoolAttachment
 from omniflow.data._handle import BlockHandle
 from omniflow.data._pool import SharedBufferPool
+from omniflow.transport._auth import Opener, Sealer, WireStats
+from omniflow.transport._protocol import (
+    ProtocolError,
+    Pull,
+    Pulled,
+    PullFailed,
+    decode_msg,
+    encode_msg,
+)
 
 __all__ = [
     "CONNECTORS",
@@ -159,9 +168,17 @@ class ShmConnector(Connector):
         if self._pool is not None and h.pool == self._pool.name:
             io: Any = self._pool
         else:
+            # Another process's slab, mapped copy-on-write: what a consumer gets is writable
+            # like the producer's value, without a copy until it writes (then only the pages
+            # it writes become its own; the producer's block never changes).
             io = self._attached.get(h.pool)
             if io is None:
-                io = self._attached[h.pool] = PoolAttachment(h.pool)
+                io = self._attached[h.pool] = PoolAttachment(h.pool, private=True)
+            if h.kind == "numpy":
+                return io.get_array(h, copy=copy, writable=True)
+            if h.kind == "torch":
+                return io.get_tensor(h, copy=copy)
+            return bytes(io.view(h))  # the type a producer's bytes have
         if h.kind == "numpy":
             return io.get_array(h, copy=copy)
         if h.kind == "torch":
@@ -444,7 +461,12 @@ class PullClient:
     pulls in flight fail at once, and so does any later pull of a block they made.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes, stats: WireStats | None = None) -> None:
+        #: Replies are authenticated with the cluster key before anything is decoded.
+        self._opener = Opener(key, stats)
+        self._key = key
+        #: One sealer per producer connection (each connection's sends are in seal order).
+        self._sealers: dict[str, Sealer] = {}
         self._conns: dict[str, Any] = {}
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         #: Request id -> (address, pid) of the producer it waits on.
@@ -455,7 +477,6 @@ class PullClient:
         self._ids = iter(range(1, 1 << 62))
 
     async def pull(self, address: str, ref: DataRef) -> bytes | memoryview:
-        from omniflow.runtime._protocol import encode_msg
         from omniflow.transport import connect
 
         if (address, ref.pid) in self._lost:
@@ -463,13 +484,14 @@ class PullClient:
         ep = self._conns.get(address)
         if ep is None:
             ep = self._conns[address] = connect(address)
+            self._sealers[address] = Sealer(self._key)
             self._readers.append(asyncio.get_running_loop().create_task(self._read(ep)))
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         self._asked[rid] = (address, ref.pid)
         try:
-            await ep.send(encode_msg("pull", {"r": rid, "h": ref.handle}))
+            await ep.send(self._sealers[address].seal(encode_msg(Pull(rid, ref.handle))))
             data: bytes | memoryview = await fut
             return data
         except DataError as exc:
@@ -490,22 +512,31 @@ class PullClient:
 
     async def _read(self, ep: Any) -> None:
         from omniflow._exceptions import RuntimeClosedError
-        from omniflow.runtime._protocol import decode_msg
 
         while True:
             try:
                 _peer, frames = await ep.recv()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            with contextlib.suppress(Exception):
-                kind, body = decode_msg(frames)
-                fut = self._waiting.get(body["r"])
-                if fut is None or fut.done():
-                    continue
-                if kind == "pulled":
-                    fut.set_result(body["data"])
-                else:
-                    fut.set_exception(DataError(f"pull failed: {body.get('error')}"))
+            inner = self._opener.open(frames)
+            if inner is None:
+                continue  # counted by the opener
+            try:
+                msg = decode_msg(inner)
+            except ProtocolError as exc:
+                self._opener.stats.drop(exc.reason)
+                continue
+            match msg:
+                case Pulled(r=r, data=data) if isinstance(data, bytes | memoryview):
+                    fut = self._waiting.get(r)
+                    if fut is not None and not fut.done():
+                        fut.set_result(data)
+                case PullFailed(r=r, error=error):
+                    fut = self._waiting.get(r)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(DataError(f"pull failed: {error}"))
+                case _:
+                    self._opener.stats.drop("unknown_kind")
 
     def close(self) -> None:
         for task in self._readers:

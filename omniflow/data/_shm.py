@@ -64,8 +64,9 @@ class Segment:
         return cls(name, mapping, creator)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        return cls(name, _map(name), None)
+    def attach(cls, name: str, *, private: bool = False) -> Segment:
+        """Map an existing segment; ``private``: copy-on-write (MAP_PRIVATE)."""
+        return cls(name, _map(name, private), None)
 
     def close(self) -> None:
         """Drop this mapping; it is unmapped as soon as no view of it is left.
@@ -90,7 +91,7 @@ class Segment:
                 resource_tracker.unregister(creator._name, "shared_memory")  # type: ignore[attr-defined]
 
 
-def _map(name: str) -> mmap.mmap:
+def _map(name: str, private: bool = False) -> mmap.mmap:
     if _posixshmem is None:  # pragma: no cover - Windows
         raise DataError("shared-memory buffer pools need a POSIX system (Linux, macOS)")
     try:
@@ -101,7 +102,8 @@ def _map(name: str) -> mmap.mmap:
             "never created on this host"
         ) from exc
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        access = mmap.ACCESS_COPY if private else mmap.ACCESS_DEFAULT
+        return mmap.mmap(fd, os.fstat(fd).st_size, access=access)
     finally:
         os.close(fd)
 

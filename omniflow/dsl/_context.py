@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from omniflow._exceptions import OmniflowError
@@ -40,6 +42,9 @@ class ActivationContext:
     seq: int
     #: Activation id, unique within the call.
     aid: int
+    #: The graph's Params Pools by name (``omniflow.ParamsPool``); pages allocated with
+    #: ``owner=call_id`` are released by the runtime when the call ends.
+    pools: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 #: Set by the runtime around every activation: an ActivationContext, a cheap handle whose

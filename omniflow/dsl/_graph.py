@@ -84,7 +84,9 @@ class Graph:
     Declaring a Graph checks only its own shape; ``omniflow.parse`` checks the wiring.
     """
 
-    __slots__ = ("inputs", "max_iterations", "module", "name", "outputs", "params", "roles")
+    __slots__ = (
+        "inputs", "max_iterations", "module", "name", "outputs", "params", "pools", "roles"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class Graph:
         outputs: Iterable[str] = (),
         params: Iterable[GlobalParameters | GlobalParametersRef] = (),
         max_iterations: int = DEFAULT_MAX_ITERATIONS,
+        pools: Iterable[Any] = (),
     ) -> None:
         if not isinstance(name, str) or not name:
             raise GraphError(f"Graph name must be a non-empty str, got {name!r}")
@@ -122,6 +125,17 @@ class Graph:
         for o in self.outputs:
             if not isinstance(o, str) or not o:
                 raise GraphError(f"graph '{name}': outputs must be field names, got {o!r}")
+        #: Params Pools (``omniflow.ParamsPool``) the roles reach as ``of.context().pools[name]``.
+        self.pools: tuple[Any, ...] = _listed(name, "pools", pools)
+        from omniflow.data.kv import ParamsPool  # data.kv imports no dsl, and no torch
+
+        seen: set[str] = set()
+        for pool in self.pools:
+            if not isinstance(pool, ParamsPool):
+                raise GraphError(f"graph '{name}': pools must be omniflow.ParamsPool, got {pool!r}")
+            if pool.name in seen:
+                raise GraphError(f"graph '{name}': two pools are named '{pool.name}'")
+            seen.add(pool.name)
         for prm in self.params:
             if not isinstance(prm, GlobalParameters | GlobalParametersRef):
                 raise GraphError(

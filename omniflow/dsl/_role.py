@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
 from omniflow._exceptions import GraphError
@@ -59,6 +60,12 @@ class InterfaceSpec:
     activate_by_count: tuple[tuple[str, int | _All], ...] | None
     #: Most activations of this node running at once in one process (None: unbounded).
     max_concurrency: int | None
+    #: Fields that may end with no frame: the method gets None ([] for collect) instead of
+    #: the bucket going DEAD.
+    optional: frozenset[str] = frozenset()
+    #: Per-call constants: taken once per call (the first frame) and paired with every
+    #: activation of the node.
+    latch: frozenset[str] = frozenset()
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -82,6 +89,8 @@ def interface(
     activate_by_count: dict[str, int | _All] | None = None,
     *,
     max_concurrency: int | None = None,
+    optional: Sequence[str] = (),
+    latch: Sequence[str] = (),
 ) -> Callable[[F], F]:
     """Declare a method of a Role as a graph node.
 
@@ -90,9 +99,31 @@ def interface(
     ...     async def generate(self, **fields):
     ...         yield {"token": "hi"}
 
-    ``inputs_or`` is a list of OR groups; the node fires for the first group whose fields
-    (AND) have all arrived. Structural problems are reported here; problems that need the
-    whole graph (no producer, bad signature, ...) are reported by ``omniflow.parse``.
+    ``inputs_or`` is a list of OR groups. Each group fires on its own whenever all of its
+    fields (AND) are there: two complete groups give two activations. A field all of whose
+    upstream paths ended without a frame makes the activation DEAD (it never runs, and the
+    call reports it in ``call.warnings`` when other fields had arrived), unless the field is
+    listed in ``optional``: then the method gets ``None`` (``[]`` for a ``collect`` field).
+
+    ``latch`` names per-call constants: a latched field is taken once per call (its first
+    frame) and paired with every activation of the node, which the other fields fire frame by
+    frame as usual; activations wait for the latched value, and are DEAD (and reported in
+    ``call.warnings``) when it ends without a frame:
+
+    >>> class Tts(Role):
+    ...     @interface(inputs_or=[["token", "voice"]], outputs=["audio"], latch=("voice",))
+    ...     async def speak(self, token, voice):
+    ...         return {"audio": f"{token} in {voice}"}      # every token, in one voice
+
+    >>> class Caption(Role):
+    ...     @interface(inputs_or=[["image", "hint"]], outputs=["text"], optional=("hint",))
+    ...     async def run(self, image, hint):                # hint is None when it never came
+    ...         return {"text": f"{image} {hint or ''}"}
+
+    ``collect``, ``activate_by_count`` and ``lb`` are described in the package docs.
+    Structural problems are reported here; problems that need the whole graph (no producer,
+    bad signature, a latched or optional field that is not an input, ...) are reported by
+    ``omniflow.parse``.
     """
 
     def decorate(fn: F) -> F:
@@ -132,6 +163,8 @@ def interface(
             collect=col,
             activate_by_count=abc,
             max_concurrency=max_concurrency,
+            optional=frozenset(_names(optional, "optional", where)),
+            latch=frozenset(_names(latch, "latch", where)),
         )
         setattr(fn, _ATTR, spec)
         return fn
@@ -163,6 +196,9 @@ class Role:
     ...     async def run(self, x):
     ...         return {"y": x}
     """
+
+    #: The Params Pools of the graphs the role serves, by name (set by the runtime before setup).
+    pools: Mapping[str, Any] = MappingProxyType({})
 
     async def setup(self) -> None:
         """Awaited once before the role serves its first activation."""

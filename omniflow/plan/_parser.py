@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import keyword
 import sys
+import traceback
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -68,20 +69,30 @@ def load_graphs(target: ModuleType | str | Path) -> list[Graph]:
             f"module '{module.__name__}' ({getattr(module, '__file__', '?')}) defines no "
             "omniflow.Graph at module level; assign one, e.g. graph = omniflow.Graph(...)"
         )
+    # The user's Graph objects are left as they are (a Graph records its own module when
+    # it is declared, which is how a worker process finds it again).
     seen: set[int] = set()
     unique = []
     for g in graphs:
         if id(g) not in seen:
             seen.add(id(g))
-            g.module = _module_ref(module) if g.module is None else g.module
             unique.append(g)
     return unique
 
 
-def _module_ref(module: ModuleType) -> str:
-    """How a worker process finds the module again: a path for file-loaded modules."""
-    path = getattr(module, "__omniflow_path__", None)
-    return str(path) if path else module.__name__
+def _where(exc: BaseException, path: Path | None) -> str:
+    """``file:line`` where loading a graph module failed: the syntax error's position, else
+    the last frame of the traceback in the graph file itself (else the deepest frame)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if path is not None:
+        mine = [f for f in frames if f.filename == str(path)]
+        if mine:
+            return f"{mine[-1].filename}:{mine[-1].lineno}"
+    if frames:
+        return f"{frames[-1].filename}:{frames[-1].lineno}"
+    return str(path) if path is not None else "?"
 
 
 def _load_module(target: str | Path) -> ModuleType:
@@ -103,24 +114,33 @@ def _load_module(target: str | Path) -> ModuleType:
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
-        except GraphError:
-            del sys.modules[name]
-            raise
         except Exception as exc:
             del sys.modules[name]
-            raise GraphError(f"importing graph file '{text}' failed: {exc!r}") from exc
+            raise _load_error(f"graph file '{text}'", exc, path) from exc
         return module
     try:
         return importlib.import_module(text)
-    except GraphError:
-        raise
-    except ImportError as exc:
-        raise GraphError(
-            f"cannot import graph module '{text}': {exc}; pass a path to an existing .py file "
-            "or an importable module name"
-        ) from exc
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and text.startswith(exc.name):
+            raise GraphError(
+                f"cannot import graph module '{text}': {exc}; pass a path to an existing .py "
+                "file or an importable module name"
+            ) from exc
+        raise _load_error(f"graph module '{text}'", exc, None) from exc
     except Exception as exc:
-        raise GraphError(f"importing graph module '{text}' failed: {exc!r}") from exc
+        raise _load_error(f"graph module '{text}'", exc, None) from exc
+
+
+def _load_error(what: str, exc: Exception, path: Path | None) -> GraphError:
+    """A GraphError for a graph module that failed to load, naming file:line."""
+    where = _where(exc, path)
+    if isinstance(exc, GraphError):  # a declaration error: keep its fields, add the place
+        err = GraphError(f"{where}: {exc}", node=exc.node, field=exc.field)
+        err.graph = exc.graph
+        return err
+    if isinstance(exc, SyntaxError):
+        return GraphError(f"{where}: importing {what} failed: SyntaxError: {exc.msg}")
+    return GraphError(f"{where}: importing {what} failed: {exc!r}")
 
 
 def parse_graphs(graphs: Iterable[Graph]) -> dict[str, StaticPlan]:
@@ -141,18 +161,22 @@ def parse_graphs(graphs: Iterable[Graph]) -> dict[str, StaticPlan]:
         by_name[g.name] = g
     graphs = list(by_name.values())
 
-    roles: dict[str, object] = {}
+    # Roles are scoped to the module that declares their graph: two modules may each call a
+    # role "vae". Within one module a name means one instance; RoleRef shares across graphs.
+    roles: dict[tuple[str | None, str], object] = {}
     for g in graphs:
         for rname, role in g.roles.items():
             if isinstance(role, RoleRef):
                 continue
-            if rname in roles and roles[rname] is not role:
+            key = (g.module, rname)
+            if key in roles and roles[key] is not role:
                 raise GraphError(
-                    f"role name '{rname}' is bound to two different instances (graphs sharing a "
-                    "role must declare it once and use omniflow.RoleRef elsewhere)",
+                    f"role name '{rname}' is bound to two different instances in module "
+                    f"{g.module or '__main__'} (graphs sharing a role must declare it once and "
+                    "use omniflow.RoleRef elsewhere; different roles need different names)",
                     graph=g.name,
                 )
-            roles[rname] = role
+            roles[key] = role
     params: dict[str, GlobalParameters] = {}
     for g in graphs:
         for p in g.params:
@@ -169,7 +193,7 @@ def parse_graphs(graphs: Iterable[Graph]) -> dict[str, StaticPlan]:
     return {g.name: _build(g, roles, params) for g in graphs}
 
 
-def _resolve_roles(g: Graph, roles: dict[str, object]) -> dict[str, object]:
+def _resolve_roles(g: Graph, roles: dict[tuple[str | None, str], object]) -> dict[str, object]:
     out: dict[str, object] = {}
     for rname, role in g.roles.items():
         if not isinstance(rname, str) or not rname.isidentifier() or keyword.iskeyword(rname):
@@ -179,14 +203,7 @@ def _resolve_roles(g: Graph, roles: dict[str, object]) -> dict[str, object]:
                 graph=g.name,
             )
         if isinstance(role, RoleRef):
-            target = roles.get(role.name)
-            if target is None:
-                raise GraphError(
-                    f"RoleRef('{role.name}') (role '{rname}') resolves nowhere; declare role "
-                    f"'{role.name}' in a graph passed to the same parse/Runtime",
-                    graph=g.name,
-                )
-            role = target
+            role = _resolve_ref(g, rname, role.name, roles)
         if isinstance(role, type):
             raise GraphError(
                 f"role '{rname}' is the class {role.__name__}, not an instance; write "
@@ -195,6 +212,31 @@ def _resolve_roles(g: Graph, roles: dict[str, object]) -> dict[str, object]:
             )
         out[rname] = role
     return out
+
+
+def _resolve_ref(
+    g: Graph, rname: str, name: str, roles: dict[tuple[str | None, str], object]
+) -> object:
+    """The role a ``RoleRef(name)`` of graph ``g`` means: the one of ``g``'s own module, else
+    the only role of that name among the graphs parsed together."""
+    own = roles.get((g.module, name))
+    if own is not None:
+        return own
+    found = {m: r for (m, n), r in roles.items() if n == name}
+    if not found:
+        raise GraphError(
+            f"RoleRef('{name}') (role '{rname}') resolves nowhere; declare role "
+            f"'{name}' in a graph passed to the same parse/Runtime",
+            graph=g.name,
+        )
+    if len({id(r) for r in found.values()}) > 1:
+        raise GraphError(
+            f"RoleRef('{name}') (role '{rname}') is ambiguous: modules "
+            f"{sorted(str(m) for m in found)} each declare a role '{name}'; rename one of them "
+            "or declare the shared role in this graph's own module",
+            graph=g.name,
+        )
+    return next(iter(found.values()))
 
 
 def _resolve_params(g: Graph, params: dict[str, GlobalParameters]) -> dict[str, GlobalParameters]:
@@ -300,6 +342,35 @@ def _node_spec(gname: str, rname: str, role: object, mname: str, spec: Interface
                 node=node,
                 field=f,
             )
+    for what, names in (("optional", spec.optional), ("latch", spec.latch)):
+        for f in sorted(names):
+            if f not in all_inputs:
+                raise GraphError(
+                    f"node '{node}': {what} names '{f}', which is not in any OR group of this "
+                    f"node; inputs are {sorted(all_inputs)}",
+                    graph=gname,
+                    node=node,
+                    field=f,
+                )
+    for f in sorted(spec.latch):
+        if f in spec.collect or any(f == cf for cf, _n in spec.activate_by_count or ()):
+            raise GraphError(
+                f"node '{node}': latched field '{f}' is also in collect or activate_by_count; "
+                "a latch takes one frame per call, drop it from one of them",
+                graph=gname,
+                node=node,
+                field=f,
+            )
+    for gi, group in enumerate(spec.inputs_or):
+        if spec.latch and set(group) <= spec.latch:
+            raise GraphError(
+                f"node '{node}': every field of OR group {gi} is latched; a latch is paired "
+                "with activations that the group's other fields fire, so keep at least one "
+                "field unlatched",
+                graph=gname,
+                node=node,
+                field=group[0],
+            )
     count = spec.activate_by_count or ()
     if count:
         if len(spec.inputs_or) != 1:
@@ -341,11 +412,15 @@ def _node_spec(gname: str, rname: str, role: object, mname: str, spec: Interface
         count=tuple(count),
         is_generator=inspect.isasyncgenfunction(fn),
         max_concurrency=spec.max_concurrency,
+        optional=spec.optional,
+        latch=spec.latch,
     )
 
 
 def _build(
-    g: Graph, all_roles: dict[str, object], all_params: dict[str, GlobalParameters]
+    g: Graph,
+    all_roles: dict[tuple[str | None, str], object],
+    all_params: dict[str, GlobalParameters],
 ) -> StaticPlan:
     gname = g.name
     roles = _resolve_roles(g, all_roles)
@@ -446,7 +521,8 @@ def _build(
 
     order = bfs_order(succ, INPUT)
     node_order = tuple(n for n in order if n != INPUT)
-    # Every node is fireable, hence reachable from the entry; keep unreachable ones last anyway.
+    # Plan order (CONTRACT §2): breadth-first from the inputs, successors by name; nodes no
+    # input reaches (none, once every node is fireable) last by name.
     node_order += tuple(sorted(set(specs) - set(node_order)))
 
     ctrl: dict[str, list[tuple[str, int, str]]] = {}
@@ -459,7 +535,10 @@ def _build(
     slots: dict[tuple[str, int], tuple[Slot, ...]] = {}
     critical: set[tuple[str, int, str]] = set()
     for n, ns in specs.items():
-        for gi, grp in enumerate(ns.groups):
+        for gi, full in enumerate(ns.groups):
+            # Latched fields are per-call constants paired with each activation: they never
+            # make a group hold a bucket, nor take part in its slots.
+            grp = tuple(f for f in full if f not in ns.latch)
             grp_slots = tuple(sorted((f, src) for f in grp for src in producers[f]))
             for f in grp:
                 if len(producers[f]) == 1:

@@ -44,6 +44,10 @@ class NodeSpec:
     is_generator: bool
     #: Most concurrent activations in one process (None: unbounded).
     max_concurrency: int | None
+    #: Fields that may end with no frame (the method gets None, [] for collect).
+    optional: frozenset[str] = frozenset()
+    #: Per-call constants: taken once per call and paired with every activation.
+    latch: frozenset[str] = frozenset()
 
     @property
     def is_join(self) -> bool:
@@ -56,7 +60,9 @@ class StaticPlan:
 
     #: Graph name.
     graph: str
-    #: Node names in plan order (BFS from the graph entry, ties by name).
+    #: Node names in *plan order*: breadth-first from the graph inputs ("<input>"), the
+    #: successors of each node visited by name, then the nodes no input reaches, by name.
+    #: Buckets that wait on each other through a cycle are settled in this order.
     nodes: tuple[str, ...]
     #: Placeholder names.
     inputs: tuple[str, ...]

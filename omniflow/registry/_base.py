@@ -32,11 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
+import hmac
 import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Self
 
@@ -59,6 +61,16 @@ class Replica:
     address: str
     #: JSON-safe extra facts (device, process name, ...).
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: HMAC-SHA256 (hex) of the record under the cluster key; "" when unsigned.
+    sig: str = field(default="", hash=False, compare=False, repr=False)
+
+    def record(self) -> str:
+        """The canonical JSON text of the record (what its signature covers)."""
+        return json.dumps(
+            {"role": self.role, "id": self.replica_id, "address": self.address, "meta": self.meta},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +109,7 @@ class ServiceRegistry(ABC):
         ttl: float | None = None,
         affinity_ttl: float | None = 3600.0,
         watch_interval: float | None = None,
+        key: bytes | None = None,
     ) -> None:
         ttl = 3 * heartbeat_interval if ttl is None else ttl
         if not 0 < heartbeat_interval < ttl:
@@ -126,6 +139,10 @@ class ServiceRegistry(ABC):
         self._heartbeats = 0
         self._heartbeat_failures = 0
         self._failing = False
+        #: The cluster key: records are signed with it, and records read back without a valid
+        #: signature are ignored (never routed to) and counted. None: no signing at all.
+        self._key = key
+        self._forged = 0
 
     # -------------------------------------------------------------------------------- lifecycle
 
@@ -182,6 +199,8 @@ class ServiceRegistry(ABC):
         _check_name("replica_id", replica_id)
         _check_name("address", address)
         replica = Replica(role, replica_id, address, _json_copy(meta or {}, role))
+        if self._key is not None:
+            replica = replace(replica, sig=self.sign(replica.record()))
         async with self._write_lock:
             await self._put([replica])
             self._local[(role, replica_id)] = replica
@@ -200,7 +219,37 @@ class ServiceRegistry(ABC):
         """The live replicas of ``role``, sorted by replica_id; expired ones are evicted."""
         self._check_open("replicas")
         found = await self._list(role)
+        if self._key is not None:
+            signed = [r for r in found if r.role == role and self.verify(r.record(), r.sig)]
+            if len(signed) != len(found):
+                self.forged(len(found) - len(signed), role)
+            found = signed
         return sorted(found, key=lambda r: r.replica_id)
+
+    def sign(self, text: str) -> str:
+        """The signature (hex HMAC-SHA256 under the cluster key) of a record's text."""
+        assert self._key is not None
+        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
+
+    def verify(self, text: str | bytes, sig: str | bytes) -> bool:
+        """Whether ``sig`` is the signature of ``text`` (constant-time comparison)."""
+        if self._key is None:
+            return True
+        raw = text.encode() if isinstance(text, str) else text
+        want = hmac.new(self._key, raw, hashlib.sha256).hexdigest().encode()
+        return hmac.compare_digest(want, sig.encode() if isinstance(sig, str) else sig)
+
+    def forged(self, n: int, role: str) -> None:
+        """Count ``n`` records of ``role`` ignored for a missing or bad signature."""
+        if self._forged == 0 or (self._forged + n) // 100 != self._forged // 100:
+            logger.warning(
+                "%r: ignored %d unsigned or forged record(s) of role '%s' (%d so far)",
+                self,
+                n,
+                role,
+                self._forged + n,
+            )
+        self._forged += n
 
     async def snapshot(self, role: str) -> Snapshot:
         """The live replicas of ``role`` with a version that changes when membership does."""
@@ -256,6 +305,7 @@ class ServiceRegistry(ABC):
             "local_replicas": len(self._local),
             "heartbeats": self._heartbeats,
             "heartbeat_failures": self._heartbeat_failures,
+            "forged_records": self._forged,
         }
 
     def __repr__(self) -> str:

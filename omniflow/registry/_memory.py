@@ -105,12 +105,14 @@ class MemoryRegistry(ServiceRegistry):
         ttl: float | None = None,
         affinity_ttl: float | None = 3600.0,
         watch_interval: float | None = None,
+        key: bytes | None = None,
     ) -> None:
         super().__init__(
             heartbeat_interval=heartbeat_interval,
             ttl=ttl,
             affinity_ttl=affinity_ttl,
             watch_interval=watch_interval,
+            key=key,
         )
         #: The shared state.
         self.store = store if store is not None else MemoryStore()

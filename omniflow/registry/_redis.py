@@ -80,6 +80,7 @@ class RedisRegistry(ServiceRegistry):
         ttl: float | None = None,
         affinity_ttl: float | None = 3600.0,
         watch_interval: float | None = None,
+        key: bytes | None = None,
         socket_timeout: float = 5.0,
     ) -> None:
         super().__init__(
@@ -87,6 +88,7 @@ class RedisRegistry(ServiceRegistry):
             ttl=ttl,
             affinity_ttl=affinity_ttl,
             watch_interval=watch_interval,
+            key=key,
         )
         #: The server, as given (password included; use ``redacted_url`` in messages).
         self.url = url
@@ -182,10 +184,8 @@ class RedisRegistry(ServiceRegistry):
         with self._errors(op, replicas[0].role if len(replicas) == 1 else None):
             async with client.pipeline(transaction=False) as pipe:
                 for r in replicas:
-                    record = json.dumps(
-                        {"role": r.role, "id": r.replica_id, "address": r.address, "meta": r.meta},
-                        separators=(",", ":"),
-                    )
+                    # Signed: "<hex hmac>\n<record>", checked before the JSON is parsed.
+                    record = r.record() if self._key is None else f"{r.sig}\n{r.record()}"
                     pipe.set(self._record_key(r.role, r.replica_id), record, px=ttl_ms)
                     pipe.sadd(self._index_key(r.role), quote(r.replica_id, safe=""))
                 await pipe.execute()
@@ -203,11 +203,24 @@ class RedisRegistry(ServiceRegistry):
                 keys=[self._index_key(role)], args=[self._record_prefix(role)]
             )
         replicas = []
+        forged = 0
         for raw in records:
+            raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode()
+            sig = b""
+            if b"\n" in raw_bytes:  # "<signature>\n<record>"
+                sig, _, raw = raw_bytes.partition(b"\n")
+            if self._key is not None and not self.verify(raw, sig):
+                forged += 1  # ignored without being decoded
+                continue
             try:
                 data: dict[str, Any] = json.loads(raw)
-                replicas.append(Replica(role, data["id"], data["address"], data["meta"]))
+                replicas.append(
+                    Replica(role, data["id"], data["address"], data["meta"], sig.decode())
+                )
             except (ValueError, KeyError, TypeError) as exc:
+                if self._key is not None:  # signed but not ours: a key shared with another tool
+                    forged += 1
+                    continue
                 raise RegistryError(
                     f"redis registry {self.redacted_url}: a replica record of role '{role}' "
                     f"is not one omniflow wrote ({exc}); is another program using namespace "
@@ -215,6 +228,8 @@ class RedisRegistry(ServiceRegistry):
                     role=role,
                     url=self.redacted_url,
                 ) from exc
+        if forged:
+            self.forged(forged, role)
         return replicas
 
     # ------------------------------------------------------------------------ session affinity

@@ -17,7 +17,7 @@ from typing import Any
 
 from omniflow.dsl._role import _All
 from omniflow.plan._plan import NodeSpec, StaticPlan
-from omniflow.runtime._liveness import Entry, Table
+from omniflow.runtime._liveness import FRAME, Entry, Table
 
 __all__ = [
     "DEAD",
@@ -27,6 +27,7 @@ __all__ = [
     "BucketSpec",
     "FieldSpec",
     "bucket_specs",
+    "quiescent_pick",
     "rule_error",
 ]
 
@@ -45,8 +46,11 @@ class FieldSpec:
     mode: str
     #: For mode "count": the threshold (int) or None for ALL.
     threshold: int | None
-    #: Exactly one source: if it ends with no frame, the bucket is DEAD (not for count fields).
+    #: Exactly one source (the plan's critical slot).
     critical: bool
+    #: Listed in ``optional=``: ending with no frame passes None ([] for collect) instead of
+    #: making the bucket DEAD.
+    optional: bool = False
     #: Satisfied only when its streams end (collect, ALL): a frame never completes it.
     ends_only: bool = field(init=False)
     #: Satisfied by its first frame (a plain field of one source, or a count of 1).
@@ -98,12 +102,37 @@ def bucket_specs(
     feeders: dict[str, frozenset[str]] = {}
     for src in {s for slots in plan.slots.values() for _f, s in slots}:
         feeders[src] = frozenset(m for m, r in plan.reach.items() if src in r)
+    pred: dict[str, set[str]] = {}
+    for src, _f, dst, _g in plan.edges:
+        pred.setdefault(dst, set()).add(src)
+    avoiding: dict[tuple[str, str], frozenset[str]] = {}
+
+    def feeders_of(src: str, root: str) -> frozenset[str]:
+        """Nodes whose live work under an entry of ``root`` can still bring ``src`` a frame
+        keeping that entry: every path through ``root`` restamps (a loop coming back to the
+        root makes a new root frame, hence another bucket), so those paths do not count."""
+        if root == "<input>" or root == src:
+            return feeders[src]
+        got = avoiding.get((src, root))
+        if got is None:
+            seen = {src}
+            stack = [src]
+            while stack:
+                for m in pred.get(stack.pop(), ()):
+                    if m != root and m not in seen:
+                        seen.add(m)
+                        stack.append(m)
+            got = avoiding[(src, root)] = frozenset(seen)
+        return got
+
     out: dict[tuple[str, int], BucketSpec] = {}
     for node, g in plan.buckets:
         spec: NodeSpec = plan.specs[node]
         counts = dict(spec.count)
         fields = []
         for f in spec.groups[g]:
+            if f in spec.latch:
+                continue  # a per-call constant, paired with the activation after it fires
             srcs = plan.producers[f]
             if f in counts:
                 thr = counts[f]
@@ -112,17 +141,23 @@ def bucket_specs(
                 )
             else:
                 mode = "collect" if f in spec.collect else "plain"
-                fields.append(FieldSpec(f, srcs, mode, None, len(srcs) == 1))
+                fields.append(
+                    FieldSpec(f, srcs, mode, None, len(srcs) == 1, optional=f in spec.optional)
+                )
+        root = roots[(node, g)]
+        keyed = "<input>" if spec.is_join else root
+        src_feeders = {s: feeders_of(s, keyed) for fs in fields for s in fs.sources}
         field_feeders = {
-            fs.name: frozenset().union(*(feeders[s] for s in fs.sources)) for fs in fields
+            fs.name: frozenset().union(*(src_feeders[s] for s in fs.sources), (FRAME,))
+            for fs in fields
         }
         out[(node, g)] = BucketSpec(
             node=node,
             group=g,
-            root=roots[(node, g)],
+            root=root,
             fields=tuple(fields),
             by_field={fs.name: fs for fs in fields},
-            feeders={s: feeders[s] for fs in fields for s in fs.sources},
+            feeders=src_feeders,
             field_feeders=field_feeders,
             is_join=spec.is_join,
             discount={node: 1},
@@ -136,6 +171,7 @@ class Bucket:
 
     __slots__ = (
         "arrivals",
+        "dead_field",
         "frames",
         "key",
         "open",
@@ -168,6 +204,8 @@ class Bucket:
         self.open: set[str] = set(spec.names)
         #: Set once it fired or died (it is out of the bucket table then).
         self.retired = False
+        #: The field whose ending made it DEAD (for ``call.warnings``).
+        self.dead_field: str | None = None
 
     def add(self, fld: str, value: Any, sort_key: Any) -> str | None:
         """Store a frame; return an error message when the frame breaks the field's rule."""
@@ -224,12 +262,28 @@ class Bucket:
         for name in candidates:
             if not ff[name].isdisjoint(alive):
                 continue
-            if spec.by_field[name].critical and not self.frames.get(name):
-                if spec.by_field[name].mode == "plain":
+            reason = self._ended(name)
+            if reason is not None:
+                return reason
+        return None
+
+    def _ended(self, name: str) -> str | None:
+        """Every slot of ``name`` ended: settle it, or say why the bucket is DEAD (the AND
+        rule: a field that ended with no frame kills the bucket unless it is optional or a
+        count field)."""
+        fs = self.spec.by_field[name]
+        if not self.frames.get(name) and fs.mode != "count" and not fs.optional:
+            self.dead_field = name
+            if fs.critical:
+                if fs.mode == "plain":
                     return f"critical input '{name}' will never arrive"
                 return f"collected input '{name}' ended with no frame"
-            self.settled.add(name)
-            self.open.discard(name)
+            return (
+                f"input '{name}' ended with no frame on any of its {len(fs.sources)} paths "
+                f"({', '.join(fs.sources)})"
+            )
+        self.settled.add(name)
+        self.open.discard(name)
         return None
 
     def refresh(self, ended: Callable[[str], bool], dropped: Sequence[str] | None) -> str | None:
@@ -251,12 +305,9 @@ class Bucket:
                     continue
             fs = spec.by_field[name]
             if all(ended(s) for s in fs.sources):
-                if fs.critical and not self.frames.get(name):
-                    if fs.mode == "plain":
-                        return f"critical input '{name}' will never arrive"
-                    return f"collected input '{name}' ended with no frame"
-                self.settled.add(name)
-                self.open.discard(name)
+                reason = self._ended(name)
+                if reason is not None:
+                    return reason
         return None
 
     def decide(self) -> tuple[str, Any]:
@@ -286,7 +337,8 @@ class Bucket:
 
 
 def _settled_value(fs: FieldSpec, lst: list[tuple[Any, Any]] | None) -> Any:
-    """The value of a satisfied field: its frame (None when it ended empty), or the list."""
+    """The value of a satisfied field: its frame (None when an optional one ended empty), or
+    the list."""
     if fs.mode == "plain":
         return lst[0][1] if lst else None
     if fs.mode == "count" and fs.threshold is not None and lst and len(lst) > fs.threshold:
@@ -317,6 +369,40 @@ def rule_error(fs: FieldSpec, before: int) -> str | None:
             "one call; use omniflow.ALL to take every frame, or a larger count"
         )
     return None
+
+
+def quiescent_pick(buckets: Sequence[Bucket]) -> int:
+    """Which of the gathering buckets of a quiescent call (given in plan order) to settle
+    first: the earliest that waits only on buckets waiting back on it, i.e. lies in a terminal
+    strongly connected part of "waits on" (B waits on C when C's node feeds an open field of B
+    and C is live under B's key). A bucket that waits on a bucket which does not wait back is
+    never settled before it: that bucket can still fire and produce the field."""
+    waits: list[list[int]] = []
+    for b in buckets:
+        feeders: set[str] = set()
+        for name in b.open:
+            feeders |= b.spec.field_feeders[name]
+        waits.append(
+            [
+                j
+                for j, c in enumerate(buckets)
+                if c is not b and c.spec.node in feeders and b.key in c.table
+            ]
+        )
+    reach: list[set[int]] = []
+    for i in range(len(buckets)):
+        seen = {i}
+        stack = [i]
+        while stack:
+            for j in waits[stack.pop()]:
+                if j not in seen:
+                    seen.add(j)
+                    stack.append(j)
+        reach.append(seen)
+    for i in range(len(buckets)):
+        if all(i in reach[j] for j in reach[i]):
+            return i
+    return 0
 
 
 def _ordered(lst: list[tuple[Any, Any]] | None) -> list[Any]:

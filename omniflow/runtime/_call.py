@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,10 @@ class Call:
         self.status = "pending"
         #: Node errors of the call (kind "error" or "cancel").
         self.errors: list[NodeError] = []
+        #: Activations that went DEAD although they had received frames (an input, or a
+        #: latched value, never arrived): ``{"node", "field", "message"}`` each, in the order
+        #: they were found. Filled when the call ends.
+        self.warnings: list[dict[str, str]] = []
         #: Undelivered frames above which stream producers wait for the reader (backpressure
         #: applies only while someone iterates the call, so an unread call cannot deadlock).
         self.high_water = runtime.stream_high_water
@@ -76,6 +80,11 @@ class Call:
         self._params: SessionParams | None = None
         #: node -> coroutine method started inline by the runtime (set when the call starts).
         self._coros: dict[str, Any] = {}
+        #: The deadline (``timeout=``): seconds, its timer while the call runs, and whether
+        #: it fired (then the call ends "error").
+        self._timeout: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed_out = False
 
     def __repr__(self) -> str:
         return f"<Call {self.graph}#{self.call_id} session={self.session!r} {self.status}>"
@@ -99,32 +108,25 @@ class Call:
         self._release_producers()
         self.status = status
         self.errors = errors
+        if self.core is not None:
+            self.warnings = list(self.core.warnings)
         self.core = None
         self._inputs = None
         self._done.set()
         self._wake()
 
-    async def __aiter__(self) -> AsyncGenerator[Frame, None]:
-        self._readers += 1
-        try:
-            while True:
-                while self._frames:
-                    yield self._frames.popleft()
-                    if self._space is not None and len(self._frames) <= self.high_water // 2:
-                        self._release_producers()
-                if self._done.is_set():
-                    return
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-        finally:
-            self._readers -= 1
-            self._release_producers()
+    def __aiter__(self) -> _Frames:
+        return _Frames(self)
+
+    def _left(self) -> None:
+        """The caller left the stream before its end (break, exception, ``aclose``, task
+        cancelled): cancel the call, and say so at once, before its methods have stopped."""
+        self._readers -= 1
+        self._release_producers()
+        if not self._done.is_set():
+            self._rt._cancel_call(self)
             if not self._done.is_set():
-                # The caller left the stream early (break, exception, task cancelled).
-                self._rt._cancel_call(self)
+                self.status = "cancelled"
 
     def _congested(self) -> bool:
         return self._readers > 0 and len(self._frames) >= self.high_water
@@ -158,3 +160,63 @@ class Call:
         async for frame in self:
             out.setdefault(frame.field, []).append(frame.value)
         return out
+
+
+class _Frames:
+    """One ``async for`` over a call. Leaving the loop early cancels the call *at once*:
+    ``break`` or an exception drops the iterator, and dropping it cancels synchronously
+    (an async generator would only be closed later, by the event loop's finalizer, so
+    ``call.status`` would still say "running" right after the loop)."""
+
+    __slots__ = ("_call", "_state")
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+        #: _NEW until the first ``__anext__``, _READING, then _CLOSED.
+        self._state = _NEW
+
+    def __aiter__(self) -> _Frames:
+        return self
+
+    async def __anext__(self) -> Frame:
+        call = self._call
+        if self._state is not _READING:
+            if self._state is _CLOSED:
+                raise StopAsyncIteration
+            self._state = _READING
+            call._readers += 1
+        while True:
+            if call._frames:
+                frame = call._frames.popleft()
+                if call._space is not None and len(call._frames) <= call.high_water // 2:
+                    call._release_producers()
+                return frame
+            if call._done.is_set():
+                self._close()
+                raise StopAsyncIteration
+            call._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await call._waiter
+            except BaseException:
+                self._close()  # the reading task was cancelled: that leaves the stream
+                raise
+            finally:
+                call._waiter = None
+
+    def _close(self) -> None:
+        reading = self._state is _READING
+        self._state = _CLOSED
+        if reading:
+            self._call._left()
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        if self._state is _READING:
+            # Never raise from a finalizer (e.g. at interpreter exit).
+            with contextlib.suppress(Exception):
+                self._close()
+
+
+_NEW, _READING, _CLOSED = "new", "reading", "closed"

@@ -8,6 +8,7 @@ from typing import Any
 from omniflow.dsl._role import _All
 from omniflow.plan._plan import NodeSpec, StaticPlan
 from omniflow.runtime._buckets import BucketSpec, bucket_specs
+from omniflow.runtime._liveness import FRAME
 
 __all__ = ["Compiled", "Route", "compile_plan", "once_per_call"]
 
@@ -59,6 +60,12 @@ class Compiled:
     routes_of: dict[str, dict[str, tuple[Route, ...]]] = field(default_factory=dict)
     #: src ("<input>" too) -> its fields that go to the caller.
     caller_fields: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: Nodes that hold buckets.
+    bucket_nodes: frozenset[str] = frozenset()
+    #: src -> latched field -> the nodes that latch it (``latch=``; no route in ``routes``).
+    latch_routes: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    #: (node, or_group) -> its latched fields, for groups that have any.
+    latch_of: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
 
 
 def once_per_call(plan: StaticPlan) -> frozenset[str]:
@@ -138,8 +145,12 @@ def compile_plan(plan: StaticPlan) -> Compiled:
     roots = {bg: "<input>" if r in single else r for bg, r in plan.diamond_roots.items()}
     bspecs = bucket_specs(plan, roots)
     routes: dict[tuple[str, str], list[Route]] = {}
+    latch_routes: dict[str, dict[str, set[str]]] = {}
     for src, lst in plan.ctrl_edges.items():
         for dst, g, f in lst:
+            if f in plan.specs[dst].latch:
+                latch_routes.setdefault(src, {}).setdefault(f, set()).add(dst)
+                continue
             routes.setdefault((src, f), []).append((dst, g, bspecs.get((dst, g))))
     to_caller: dict[str, set[str]] = {}
     for f, srcs in plan.output_producers.items():
@@ -149,7 +160,9 @@ def compile_plan(plan: StaticPlan) -> Compiled:
     for (src, f), rs in routes.items():
         routes_of[src][f] = tuple(rs)
     all_nodes = ["<input>", *plan.nodes]
-    feeders = {n: frozenset(m for m in all_nodes if n in plan.reach[m]) for n in all_nodes}
+    feeders = {
+        n: frozenset(m for m in all_nodes if n in plan.reach[m]) | {FRAME} for n in all_nodes
+    }
     out_feeders = {
         f: frozenset().union(*(feeders[s] for s in srcs)) if srcs else frozenset()
         for f, srcs in plan.output_producers.items()
@@ -162,7 +175,7 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         (``target`` itself included when it is not a SeqId producer), and, since a bucket's
         activation takes the SeqId of its root's frame, every node between the root of a
         bucket on such a path and the bucket's sources, whatever its kind."""
-        out = {target} if target in plain else set()
+        out = {target, FRAME} if target in plain else {FRAME}
         stack = [target]
         visited = {target}
         while stack:
@@ -218,6 +231,17 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         },
         routes_of=routes_of,
         caller_fields={n: frozenset(to_caller.get(n, ())) for n in ("<input>", *plan.nodes)},
+        bucket_nodes=frozenset(n for n, _g in plan.buckets),
+        latch_routes={
+            src: {f: tuple(sorted(d)) for f, d in by_f.items()}
+            for src, by_f in latch_routes.items()
+        },
+        latch_of={
+            (n, g): tuple(f for f in grp if f in sp.latch)
+            for n, sp in plan.specs.items()
+            for g, grp in enumerate(sp.groups)
+            if sp.latch.intersection(grp)
+        },
         unconstrained=frozenset(
             n
             for n, sp in plan.specs.items()

@@ -23,15 +23,24 @@ Vocabulary (design/ARCHITECTURE.md has the long form):
 from __future__ import annotations
 
 import itertools
+import traceback
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from omniflow._exceptions import NodeError
 from omniflow.data._plane import DataRef
-from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec, rule_error
+from omniflow.runtime._buckets import (
+    DEAD,
+    FIRE,
+    WAIT,
+    Bucket,
+    BucketSpec,
+    quiescent_pick,
+    rule_error,
+)
 from omniflow.runtime._compiled import Compiled
-from omniflow.runtime._liveness import INPUT_ENTRY, Entry, Liveness, Table
+from omniflow.runtime._liveness import FRAME, INPUT_ENTRY, Entry, Liveness, Table
 from omniflow.runtime._ordering import StreamOrder
 
 __all__ = ["Activation", "CallCore", "Emit"]
@@ -101,6 +110,24 @@ class _SessionQueue:
         self.streams: dict[tuple[str, int], StreamOrder] = {}
 
 
+class _Latch:
+    """One latched field of one node within one call (``latch=``): its value once the first
+    frame came, and the activations that wait for it."""
+
+    __slots__ = ("ended", "feeders", "field", "has", "node", "parked", "value")
+
+    def __init__(self, node: str, fld: str, feeders: frozenset[str]) -> None:
+        self.node = node
+        self.field = fld
+        #: Nodes from which a producer of the field can still be reached.
+        self.feeders = feeders
+        self.has = False
+        self.value: Any = None
+        #: Ended with no frame: activations that need it are DEAD.
+        self.ended = False
+        self.parked: list[Activation] = []
+
+
 class CallCore:
     """Scheduling state of one graph call."""
 
@@ -131,6 +158,8 @@ class CallCore:
         self.refcounts: dict[DataRef, int] = {}
         #: Errors of the call (kind "error" or "cancel").
         self.errors: list[NodeError] = []
+        #: DEAD activations that had received frames: {"node", "field", "message"} each.
+        self.warnings: list[dict[str, str]] = []
         self.finished = False
         self.cancelled = False
         self.closing = False
@@ -155,6 +184,16 @@ class CallCore:
         self._caller: dict[tuple[str, str, int], StreamOrder] = {}
         self._iterations: dict[str, int] = {}
         self._story = story
+        #: Latched fields by (node, field), created on first use; activations parked on them.
+        #: Session nodes with several OR groups that got an activation in this step.
+        self._pump_later: set[str] = set()
+        self._latches: dict[tuple[str, str], _Latch] = {}
+        self._n_parked = 0
+        #: On graphs with cycles: the order in which entries were stamped. A loop that comes
+        #: back replaces a node's older entry, so there the entries of a table no longer say
+        #: which frame came first by themselves; their stamp numbers do (production order of
+        #: collected and counted frames).
+        self._stamp_no: dict[Entry, int] | None = {} if compiled.cycle_nodes else None
 
     # ------------------------------------------------------------------ stimuli
 
@@ -218,11 +257,19 @@ class CallCore:
                     table = tuple(x for x in table if x[0] != node)
                     break
             table = (*table, entry)
+            if self._stamp_no is not None:
+                self._stamp_no[entry] = len(self._stamp_no)
             seq = entry if node in self.c.seq_nodes else act.seq
-            self.live.inc(table, node)  # hold: consumers of this frame are created one by one
+            # Hold: consumers of this frame are created one by one (the node under the older
+            # entries, the frame itself under its own; see FRAME).
+            older = table[:-1]
+            live = self.live
+            live.inc(older, node)
+            live.inc((entry,), FRAME)
             for f, v in frame.items():
                 self._dispatch(node, f, v, table, seq)
-            self.live.dec(table, node)
+            live.dec((entry,), FRAME)
+            self._dec(older, node)
         else:
             table = act.table
             seq = act.seq
@@ -239,7 +286,7 @@ class CallCore:
         self.running.discard(act)
         node = act.node
         self.n_acts -= 1
-        self.live.dec(act.table, node)
+        self._dec(act.table, node)
         if act.refs:
             self._let_go(act.refs)
         if exc is not None:
@@ -284,6 +331,11 @@ class CallCore:
         for blocked in self._blocked.values():
             while blocked:
                 self._drop_pending(blocked.popleft())
+        for lt in self._latches.values():
+            for act in lt.parked:
+                self._n_parked -= 1
+                self._drop_pending(act)
+            lt.parked = []
         while self.to_run:
             act = self.to_run.popleft()
             act.state = RUNNING
@@ -298,7 +350,7 @@ class CallCore:
         if act.node in self.c.throttled:
             self._running_per_node[act.node] -= 1
         self.n_acts -= 1
-        self.live.dec(act.table, act.node)
+        self._dec(act.table, act.node)
         self._let_go(act.refs)
 
     # ------------------------------------------------------------------ routing
@@ -317,6 +369,11 @@ class CallCore:
                     act.refs = [value]
                     self._hold(value)
                 self._admit(act)
+        if c.latch_routes:
+            by_f = c.latch_routes.get(src)
+            if by_f is not None:
+                for dst in by_f.get(f, ()):
+                    self._latch_value(dst, f, value)
         if f in c.caller_fields[src]:
             self._emit(src, f, value, seq)
 
@@ -351,12 +408,14 @@ class CallCore:
                     else:
                         seen[f] = n + 1
                 return
-            prefix = table[: pos + 1]
-            b = Bucket(bspec, key, prefix)
-            b.seq = _seq_in(prefix, self.c)
+            # The bucket keeps every entry its frames share (so far: all of this frame's), not
+            # only those up to its key: a frame that descends from one frame of another root
+            # still carries that root's entry when it leaves, and meets its siblings there.
+            b = Bucket(bspec, key, table)
+            b.seq = _seq_in(table[: pos + 1], self.c)
             self.buckets[bid] = b
-            self.live.inc(prefix, bspec.node)
-            self.blive.inc(prefix, bspec.node)
+            self.live.inc(table, bspec.node)
+            self.blive.inc(table, bspec.node)
             self._watch(key, b)
             if self._story is not None:
                 self._log("bucket", node=bspec.node, group=bspec.group, key=key)
@@ -365,9 +424,18 @@ class CallCore:
             fresh = True
         else:
             fresh = False
+            if table is not b.table and len(b.table) > pos + 1:
+                self._share(b, table, pos)
         fs = bspec.by_field[f]
         # Frames of a plain field are never sorted: skip building their sort key.
-        err = b.add(f, value, None if fs.mode == "plain" else (table[len(b.table) :], b.arrivals))
+        if fs.mode == "plain":
+            sort_key: Any = None
+        elif self._stamp_no is None:
+            sort_key = (table[pos + 1 :], b.arrivals)
+        else:
+            stamped = self._stamp_no
+            sort_key = (tuple(stamped.get(e, -1) for e in table[pos + 1 :]), b.arrivals)
+        err = b.add(f, value, sort_key)
         if type(value) is DataRef and err is None:
             b.refs.append(value)
             self._hold(value)
@@ -382,13 +450,33 @@ class CallCore:
         elif b.could_fire_now(fs):
             self._touched.append(b)
 
+    def _share(self, b: Bucket, table: Table, pos: int) -> None:
+        """Keep in ``b.table`` only the entries ``table`` (a new frame's) shares with it; the
+        bucket stops being live under the others."""
+        gone = tuple(e for e in b.table[pos + 1 :] if e not in table)
+        if gone:
+            b.table = tuple(e for e in b.table if e not in gone)
+            node = b.spec.node
+            self.live.dec(gone, node)
+            self.blive.dec(gone, node)
+            self._only_buckets(gone, node)
+
     @staticmethod
     def _late_frame_message(bspec: BucketSpec, f: str) -> str:
         fs = bspec.by_field[f]
-        if fs.mode == "count":
+        if fs.mode == "count" and fs.threshold is not None:
             return (
                 f"field '{f}' received more than activate_by_count={fs.threshold} frames in one "
                 "call; use omniflow.ALL to take every frame, or a larger count"
+            )
+        if fs.ends_only:
+            how = "activate_by_count=ALL" if fs.mode == "count" else "collect"
+            return (
+                f"field '{f}' ({how}) received a frame after its bucket already fired: every "
+                f"stream of '{f}' had ended for it, and then a stream was re-entered (a loop "
+                "came back through a producer of it). Keep the loop's own frames out of the "
+                f"collected field (give them another name), or move the {how} node after "
+                "the loop"
             )
         return (
             f"field '{f}' received a frame after its activation already fired; two streams "
@@ -402,6 +490,8 @@ class CallCore:
             self._let_go(act.refs)
             return
         c = self.c
+        if c.latch_of and (node, act.group) in c.latch_of and not self._pair(act):
+            return
         if node in c.unconstrained:  # no loop bound, no session order, no throttle: run it
             self.n_acts += 1
             self.live.inc(act.table, node)
@@ -433,7 +523,12 @@ class CallCore:
             if so is None:
                 so = sq.streams[skey] = StreamOrder(act.seq[0], act.seq[1])
             so.push(act.seq[2], act)
-            self._pump_session(node)
+            if len(c.specs[node].groups) > 1:
+                # Activations of one SeqId index run in OR-group declaration order: wait for
+                # the rest of this step's arrivals before picking (settle pumps it).
+                self._pump_later.add(node)
+            else:
+                self._pump_session(node)
             return
         cap = c.throttled.get(node)
         if cap is not None and self._running_per_node.get(node, 0) >= cap:
@@ -449,6 +544,92 @@ class CallCore:
         self.running.add(act)
         self.to_run.append(act)
 
+    # ------------------------------------------------------------------ latches
+
+    def _latch(self, node: str, fld: str) -> _Latch:
+        lt = self._latches.get((node, fld))
+        if lt is None:
+            feeders = frozenset().union(*(self.c.feeders[s] for s in self.c.plan.producers[fld]))
+            lt = self._latches[(node, fld)] = _Latch(node, fld, feeders)
+        return lt
+
+    def _latch_value(self, node: str, fld: str, value: Any) -> None:
+        """A frame of a latched field: the first one of the call is the value, for good."""
+        lt = self._latch(node, fld)
+        if lt.has or lt.ended or self.closing:
+            return
+        lt.has = True
+        lt.value = value
+        if type(value) is DataRef:
+            self._hold(value)  # the latch's own hold, until the call ends
+        parked, lt.parked = lt.parked, []
+        for act in parked:
+            self._n_parked -= 1
+            self._admit(act)  # pairs, or parks again on another latch
+            self.n_acts -= 1
+            self._dec(act.table, act.node)
+
+    def _pair(self, act: Activation) -> bool:
+        """Give ``act`` its latched values; False when it waits for one (parked, live) or is
+        DEAD because one ended with no frame (reported in ``warnings``)."""
+        for fld in self.c.latch_of[(act.node, act.group)]:
+            lt = self._latch(act.node, fld)
+            if lt.has:
+                if fld not in act.kwargs:
+                    act.kwargs[fld] = lt.value
+                    if type(lt.value) is DataRef:
+                        if act.refs is None:
+                            act.refs = []
+                        act.refs.append(lt.value)
+                        self._hold(lt.value)
+                continue
+            if lt.ended:
+                self._latch_dead(act, lt)
+                return False
+            lt.parked.append(act)
+            self._n_parked += 1
+            self.n_acts += 1
+            self.live.inc(act.table, act.node)
+            return False
+        return True
+
+    def _parked_under(self, e: Entry, node: str) -> bool:
+        """An activation of ``node`` waits for a latched value under ``e`` (its SeqId index
+        has not settled: the activation still comes)."""
+        return any(
+            act.node == node and e in act.table
+            for lt in self._latches.values()
+            for act in lt.parked
+        )
+
+    def _latch_dead(self, act: Activation, lt: _Latch) -> None:
+        self._let_go(act.refs)
+        self._warn(
+            act.node,
+            lt.field,
+            f"OR group {act.group} activation never ran: latched input '{lt.field}' ended "
+            f"with no frame for this call; {', '.join(sorted(act.kwargs))} dropped",
+        )
+
+    def _check_latches(self) -> None:
+        """Latches with parked activations whose field can no longer arrive end: every
+        activation parked on them is DEAD."""
+        parked_at: dict[str, int] = {}
+        for lt in self._latches.values():
+            if lt.parked:
+                parked_at[lt.node] = parked_at.get(lt.node, 0) + len(lt.parked)
+        for lt in self._latches.values():
+            if not lt.parked or self.live.reaches(INPUT_ENTRY, lt.feeders, parked_at):
+                continue
+            lt.ended = True
+            parked, lt.parked = lt.parked, []
+            for act in parked:
+                self._n_parked -= 1
+                self.n_acts -= 1
+                act.state = DONE
+                self._dec(act.table, act.node)
+                self._latch_dead(act, lt)
+
     # ------------------------------------------------------------------ ordering
 
     def _pump_session(self, node: str) -> None:
@@ -460,14 +641,18 @@ class CallCore:
         own = frozenset((node,))
         for so in sq.streams.values():
             while so.pending:
-                act = so.pop_current()
+                act = so.pop_current(_group_of)
                 if act is not None:
                     sq.busy = True
                     self._unwatch_order(so)
                     self._run(act)
                     return
                 e = so.entry()
-                if self.live.reaches(e, feeders) or self.blive.reaches(e, own):
+                if (
+                    self.live.reaches(e, feeders)
+                    or self.blive.reaches(e, own)
+                    or (self._n_parked and self._parked_under(e, node))
+                ):
                     self._watch_order(so, None, node)
                     break
                 so.advance()
@@ -540,6 +725,16 @@ class CallCore:
     def _settle(self) -> None:
         """Evaluate touched buckets and waiters of entries whose liveness dropped, to a fixpoint;
         then finish the call if nothing of it is left."""
+        self._settle_pass()
+        while self._pump_later:
+            for node in sorted(self._pump_later):
+                self._pump_later.discard(node)
+                self._pump_session(node)
+            self._settle_pass()
+
+    def _settle_pass(self) -> None:
+        if self._n_parked:
+            self._check_latches()
         live = self.live
         if not (self._touched or live.dirty):
             if not self.n_acts:
@@ -577,6 +772,8 @@ class CallCore:
                             self._pump_session(node)
                         else:
                             self._release_caller(f, so)
+            if self._n_parked:
+                self._check_latches()
         if not self.n_acts:
             self._maybe_finish()
 
@@ -609,6 +806,7 @@ class CallCore:
             self._admit(act)
             live.dec(b.table, node)
             self.blive.dec(b.table, node)
+            self._only_buckets(b.table, node)
         else:
             assert verdict == DEAD
             self._kill_bucket(bid, b, payload)
@@ -617,8 +815,19 @@ class CallCore:
     def _kill_bucket(self, bid: tuple[str, int, Entry], b: Bucket, reason: str) -> None:
         self._retire_bucket(bid, b, "dead")
         self._log("dead", node=bid[0], group=bid[1], key=bid[2], reason=reason)
+        if b.arrivals and b.dead_field is not None and not self.closing:
+            # Frames arrived and are lost with the bucket: say so (CONTRACT §3, warnings).
+            got = sorted(b.frames)
+            self._warn(
+                bid[0],
+                b.dead_field,
+                f"OR group {bid[1]} never fired: {reason}, after {', '.join(got)} arrived; "
+                f"those frames are dropped (list '{b.dead_field}' in optional=... to run "
+                "without it)",
+            )
         self.live.dec(b.table, bid[0])
         self.blive.dec(b.table, bid[0])
+        self._only_buckets(b.table, bid[0])
         self._let_go(b.refs)
 
     def _keep_rules(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
@@ -646,7 +855,35 @@ class CallCore:
         self._retire_bucket(bid, b, "dead")
         self.live.dec(b.table, bid[0])
         self.blive.dec(b.table, bid[0])
+        self._only_buckets(b.table, bid[0])
         self._let_go(b.refs)
+
+    def _dec(self, table: Table, node: str) -> None:
+        """Live work at ``node`` ended (an activation, a dispatch hold)."""
+        self.live.dec(table, node)
+        if node in self.c.bucket_nodes:
+            self._only_buckets(table, node)
+
+    def _only_buckets(self, table: Table, node: str) -> None:
+        """Wake the waiters of ``table``'s entries under which ``node`` now holds nothing but
+        gathering buckets. A count that reaches zero announces itself (``Liveness.dec``); this
+        is the other drop a bucket must hear about: a bucket discounts itself at its own node,
+        and a pending bucket counts as a possible producer of its node's outputs only until
+        the rest of the node's work is gone (CONTRACT §1, "a stream has ended")."""
+        live = self.live
+        watched = live.watched
+        bcounts = self.blive.counts
+        for e in table:
+            if e not in watched:
+                continue
+            d = live.counts.get(e)
+            n = d.get(node, 0) if d else 0
+            if n and n <= bcounts.get(e, _NONE).get(node, 0):
+                nodes = live.dirty.get(e)
+                if nodes is None:
+                    live.dirty[e] = [node]
+                elif node not in nodes:
+                    nodes.append(node)
 
     def _hold(self, ref: DataRef) -> None:
         self.refcounts[ref] = self.refcounts.get(ref, 0) + 1
@@ -667,7 +904,7 @@ class CallCore:
     def _drop_pending(self, act: Activation) -> None:
         act.state = DONE
         self.n_acts -= 1
-        self.live.dec(act.table, act.node)
+        self._dec(act.table, act.node)
         self._let_go(act.refs)
 
     def _maybe_finish(self) -> None:
@@ -677,7 +914,7 @@ class CallCore:
             # Quiescent but buckets still gather: only buckets wait on buckets (a cycle of
             # convergence nodes). Settle the earliest in plan order as if its open slots had
             # ended; that either fires it (new work) or kills it.
-            bid, b = min(self.buckets.items(), key=lambda kv: (self.c.order[kv[0][0]], kv[0]))
+            bid, b = self._settle_first()
             verdict, payload = b.evaluate(lambda _src: True)
             if verdict == FIRE:
                 self._retire_bucket(bid, b, "fired")
@@ -690,7 +927,15 @@ class CallCore:
                 self._settle()
                 return
             self._kill_bucket(bid, b, payload if verdict == DEAD else "quiescent")
+            # Settled as if its open slots had ended, but a straggler may still come (a frame
+            # of a field the cycle was holding back): the input rules hold for it exactly as
+            # for a bucket found DEAD by liveness (CONTRACT §1, "never silently dropped").
+            self._keep_rules(bid, b)
         if self.n_acts == 0 and not self.buckets and not self.running:
+            for lt in self._latches.values():
+                if lt.has and type(lt.value) is DataRef:
+                    lt.has = False
+                    self._let_go([lt.value])
             for so_key, so in self._caller.items():
                 while so.pending:
                     self.emitted.extend(so.take_current())
@@ -699,7 +944,17 @@ class CallCore:
             self.finished = True
             self._log("finish", status=self.status)
 
+    def _settle_first(self) -> tuple[tuple[str, int, Entry], Bucket]:
+        """The bucket a quiescent call settles next (``quiescent_pick``)."""
+        order = self.c.order
+        items = sorted(self.buckets.items(), key=lambda kv: (order[kv[0][0]], kv[0]))
+        return items[quiescent_pick([b for _bid, b in items])]
+
     # ------------------------------------------------------------------ errors
+
+    def _warn(self, node: str, fld: str, message: str) -> None:
+        self.warnings.append({"node": node, "field": fld, "message": message})
+        self._log("warning", node=node, field=fld, message=message)
 
     def _record_exc(self, act: Activation, exc: BaseException) -> None:
         import asyncio
@@ -722,6 +977,7 @@ class CallCore:
                 call_id=self.call_id,
                 graph=self.graph,
                 exc_type=type(exc).__name__,
+                traceback="".join(traceback.format_exception(exc)),
             )
             err.__cause__ = exc
         self.errors.append(err)
@@ -760,7 +1016,7 @@ class CallCore:
     def validate(self) -> None:
         """Check every invariant of the call's state; raise AssertionError naming the breach.
         Call it between stimuli, after the shell settled (not from inside a step)."""
-        if self._touched or self.live.dirty:
+        if self._touched or self.live.dirty or self._pump_later:
             raise AssertionError(
                 f"call {self.call_id}: left unsettled (touched {len(self._touched)} buckets, "
                 f"liveness drops under {sorted(self.live.dirty)}); the shell must settle() "
@@ -775,6 +1031,12 @@ class CallCore:
                     acts.update(items)
         for blocked in self._blocked.values():
             acts.update(blocked)
+        parked = [a for lt in self._latches.values() for a in lt.parked]
+        if len(parked) != self._n_parked:
+            raise AssertionError(
+                f"{len(parked)} activations parked on latches, {self._n_parked} counted"
+            )
+        acts.update(parked)
         for a in acts:
             work.append((a.table, a.node))
         for (node, _g, _k), b in self.buckets.items():
@@ -786,6 +1048,9 @@ class CallCore:
         held: dict[DataRef, int] = {}
         holders: list[list[DataRef] | None] = [a.refs for a in acts]
         holders.extend(b.refs for b in self.buckets.values())
+        holders.extend(
+            [lt.value] for lt in self._latches.values() if lt.has and type(lt.value) is DataRef
+        )
         for refs in holders:
             for ref in refs or ():
                 held[ref] = held.get(ref, 0) + 1
@@ -802,11 +1067,18 @@ class CallCore:
             raise AssertionError(f"call {self.call_id} finished with work left: {self.live.counts}")
 
 
+_NONE: dict[str, int] = {}
+
+
 def _seq_in(table: Table, c: Compiled) -> Entry:
     for e in reversed(table):
         if e[0] in c.seq_nodes:
             return e
     return INPUT_ENTRY
+
+
+def _group_of(act: Activation) -> int:
+    return act.group
 
 
 def _waiter_order(w: Any) -> tuple[int, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["INPUT_ENTRY", "Entry", "Liveness", "Table"]
+__all__ = ["FRAME", "INPUT_ENTRY", "Entry", "Liveness", "Table"]
 
 #: A root/seq entry: (node that stamped it, stream id, index in that stream).
 Entry = tuple[str, int, int]
@@ -26,6 +26,13 @@ Table = tuple[Entry, ...]
 
 #: The call itself: the root of everything a call does.
 INPUT_ENTRY: Entry = ("<input>", 0, 0)
+
+#: Pseudo-node of a stamped frame whose fields are still being dispatched, counted under that
+#: frame's own entry only (the stamping node is counted under the older entries). Every
+#: feeder set holds it: until the frame is out, anything may still come under its entry.
+#: Counting the stamping node itself there would make its later activations (a loop that
+#: comes back to it, each of which restamps) look like producers for the frame's buckets.
+FRAME = "<frame>"
 
 
 class Liveness:

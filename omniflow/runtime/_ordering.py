@@ -8,6 +8,7 @@ here). Stateless nodes between the producer and this queue may finish in any ord
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["StreamOrder"]
@@ -45,12 +46,13 @@ class StreamOrder:
         """All items at the expected index (removed)."""
         return self.pending.pop(self.exp, [])
 
-    def pop_current(self) -> Any | None:
-        """One item at the expected index (removed), or None."""
+    def pop_current(self, key: Callable[[Any], Any] | None = None) -> Any | None:
+        """One item at the expected index (removed), or None: the first pushed, or the
+        smallest by ``key`` (the first pushed among equals)."""
         lst = self.pending.get(self.exp)
         if not lst:
             return None
-        item = lst.pop(0)
+        item = lst.pop(0 if key is None or len(lst) == 1 else lst.index(min(lst, key=key)))
         if not lst:
             del self.pending[self.exp]
         return item

@@ -5,7 +5,11 @@ changes *where* its methods run. ``RemoteRoles.submit`` sends a ``run`` to a rep
 the node's load balancer; the replica's ``frame`` and ``done`` messages come back to the
 runtime shell exactly as a local method's would. A replica that dies fails the activations it
 held with a NodeError saying so, at once when the front spawned the process, and within the
-registry's time-to-live otherwise.
+registry's time-to-live otherwise. Every message is sealed and checked (``transport._auth``)
+and typed (``transport._protocol``); frames and dones are taken only from the replica that
+runs the activation. Supervision: a replica silent for ``heartbeat_misses`` intervals is lost
+(a spawned one is SIGKILLed), spawned replicas that die are respawned with backoff (0.1 s
+doubling, at most 30 s), and ``readiness()`` names the roles with no live replica.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import itertools
 import logging
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import zlib
@@ -25,8 +30,35 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import NodeError, OmniflowError, RuntimeClosedError, TransportError
 from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane, DataRef
-from omniflow.runtime._protocol import decode_msg, encode_msg
+from omniflow.data.kv._hosted import serve as serve_meta
+from omniflow.data.kv._meta import MemoryMetadata
 from omniflow.transport import connect
+from omniflow.transport._auth import KEY_ENV, Opener, Sealer, WireStats
+from omniflow.transport._protocol import (
+    Bye,
+    Cancel,
+    CloseSession,
+    Done,
+    EndCall,
+    Frame,
+    Frames,
+    Heartbeat,
+    Hello,
+    Message,
+    MetaCall,
+    MetaNotify,
+    MetaReply,
+    ProtocolError,
+    Ready,
+    Release,
+    Run,
+    SourceLost,
+    StatsReply,
+    StatsRequest,
+    Stop,
+    decode_msg,
+    encode_msg,
+)
 
 if TYPE_CHECKING:
     from omniflow.registry import ServiceRegistry
@@ -36,6 +68,12 @@ if TYPE_CHECKING:
 __all__ = ["Deploy", "ProcessSpec", "RemoteRoles", "plan_processes"]
 
 logger = logging.getLogger("omniflow.remote")
+
+#: Respawn backoff: the first delay, the cap, and how long a replica must have lived for its
+#: slot's backoff to start over.
+RESPAWN_BASE = 0.1
+RESPAWN_CAP = 30.0
+RESPAWN_RESET = 60.0
 
 #: How the runtime shell is told about a remote activation's progress.
 OnFrame = Callable[["Call", "CallCore", "Activation", Any], None]
@@ -177,6 +215,17 @@ class _Replica:
     last_bye: float = 0.0
     #: Process id the worker reported in "ready" (its data-plane refs carry it).
     pid: int | None = None
+    #: Seals what this front sends on this connection (one sender, one counter).
+    sealer: Sealer | None = None
+    #: Loop time of the last authentic message from it (heartbeats included).
+    last_seen: float = 0.0
+    #: The process group it was spawned for and its slot there (None: found in the registry).
+    spec: ProcessSpec | None = None
+    slot: int = 0
+    #: Loop time it was spawned at (a replica that lived long resets its slot's backoff).
+    born: float = 0.0
+    #: (pool, node) of the Params Pools it registered in the front-hosted metadata.
+    pool_nodes: set[tuple[str, str]] = field(default_factory=set)
 
 
 class _RemoteHandle:
@@ -207,8 +256,28 @@ class RemoteRoles:
         plane: DataPlane | None = None,
         offload: dict[tuple[str, str], list[str]] | None = None,
         connectors: dict[str, dict[str, str]] | None = None,
+        cluster_key: bytes | None = None,
+        heartbeat_misses: int = 10,
+        respawn: bool = True,
     ) -> None:
+        from omniflow.transport._auth import resolve_key
+
         self.processes = processes
+        #: The deployment's key (workers spawned here get it in their environment).
+        self.cluster_key = cluster_key if cluster_key is not None else resolve_key()[0]
+        #: Accepted and dropped messages from replicas, by reason.
+        self.wire = WireStats()
+        self._opener = Opener(self.cluster_key, self.wire)
+        #: Heartbeats a replica may miss before it counts as lost (and, if spawned, is killed).
+        self.heartbeat_misses = heartbeat_misses
+        #: Respawn spawned replicas that die (with backoff).
+        self.respawn = respawn
+        #: Role -> replicas of it respawned so far.
+        self.restarts: dict[str, int] = {r: 0 for p in processes for r in p.roles}
+        #: (process group, slot) -> consecutive quick deaths (the backoff exponent).
+        self._backoff: dict[tuple[str, int], int] = {}
+        self._supervisor: asyncio.Task[None] | None = None
+        self._addresses = itertools.count()
         #: The front's data plane (inputs it produced for remote methods go through its pool).
         self.plane = plane
         #: (graph, node) -> outputs a worker puts in its data plane (never the caller's fields).
@@ -223,6 +292,10 @@ class RemoteRoles:
         self._threshold = (
             plane.threshold if plane is not None and plane.threshold != DEFAULT_THRESHOLD else None
         )
+        #: The Params Pools' metadata of pools with metadata=None, one truth for the front's
+        #: pools and every worker it spawned (``kv._hosted``).
+        self.pool_meta = MemoryMetadata()
+        self._meta_tasks: set[asyncio.Task[None]] = set()
         #: Request id -> future of a worker's "stats" answer.
         self._stats_waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._stats_ids = itertools.count(1)
@@ -246,10 +319,14 @@ class RemoteRoles:
         #: host, or in one process, or on two hosts whose pids collide.
         self._token = f"{os.getpid()}-{secrets.token_hex(3)}"
         self._call_replicas: dict[str, set[_Replica]] = {}
+        #: Send ``end_call`` to every replica a call ran on (Params Pools release there).
+        self.track_calls = False
         self._registry: ServiceRegistry | None = None
         self._watchers: list[asyncio.Task[Any]] = []
         self._tmp = tempfile.mkdtemp(prefix="omniflow-")
         self._closing = False
+        #: Replicas spawned at start (later spawns are respawns and get a new replica id).
+        self._initial = sum(p.replicas for p in processes)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -258,41 +335,52 @@ class RemoteRoles:
             from omniflow.registry import create_registry
 
             self._registry = create_registry(
-                self.registry_url, heartbeat_interval=self.heartbeat_interval
+                self.registry_url, heartbeat_interval=self.heartbeat_interval, key=self.cluster_key
             )
             await self._registry.start()
-        n = itertools.count()
         starts = []
         for spec in self.processes:
             for i in range(spec.replicas):
-                rid = f"{spec.name}-{i}-{self._token}"
-                address = f"ipc://{self._tmp}/w{next(n)}.sock"
-                starts.append(self._spawn(spec, rid, address))
+                starts.append(self._spawn(spec, i))
         try:
             await asyncio.wait_for(asyncio.gather(*starts), self.start_timeout)
         except BaseException:
             await self.close()
             raise
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         if self._registry is not None:
             loop = asyncio.get_running_loop()
             for role in sorted(self.roles):
                 self._watchers.append(loop.create_task(self._watch(role)))
 
-    async def _spawn(self, spec: ProcessSpec, rid: str, address: str) -> None:
+    async def _spawn(self, spec: ProcessSpec, slot: int) -> None:
+        n = next(self._addresses)
+        rid = f"{spec.name}-{slot}-{self._token}" + (f"-r{n}" if n >= self._initial else "")
+        address = f"ipc://{self._tmp}/w{n}.sock"
         cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
         for role in spec.roles:
             cmd += ["--role", role]
         # --parent-pid: the worker leaves when this process is gone (it runs in a session
-        # of its own, so nothing else would stop it after a crash of the front).
+        # of its own, so nothing else would stop it after a crash of the front). --owner:
+        # only this front may stop it. The key goes in the environment, never in argv.
         cmd += ["--bind", address, "--replica-id", rid, "--parent-pid", str(os.getpid())]
+        cmd += ["--owner", self._token, "--heartbeat", str(self.heartbeat_interval)]
         if self.registry_url:
-            cmd += ["--registry", self.registry_url, "--heartbeat", str(self.heartbeat_interval)]
+            cmd += ["--registry", self.registry_url]
+        # The cluster key travels in the environment (never argv), with the file where the
+        # worker writes why it could not start (a failed setup(), a bad module).
+        env = {
+            **os.environ,
+            KEY_ENV: self.cluster_key.decode(),
+            "OMNIFLOW_START_ERROR_FILE": os.path.join(self._tmp, f"{rid}.err"),
+        }
         # A session of its own: Ctrl-C in the front's terminal must not kill the workers
         # before the front drains; the front stops them itself.
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+            *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env
         )
-        rep = _Replica(rid, list(spec.roles), address, process=proc)
+        rep = _Replica(rid, list(spec.roles), address, process=proc, spec=spec, slot=slot)
+        rep.born = asyncio.get_running_loop().time()
         self._replicas[rid] = rep
         rep.tasks.append(asyncio.get_running_loop().create_task(self._reap(rep)))
         await self._connect(rep)
@@ -300,25 +388,29 @@ class RemoteRoles:
     async def _connect(self, rep: _Replica) -> None:
         loop = asyncio.get_running_loop()
         rep.endpoint = connect(rep.address)
+        rep.sealer = Sealer(self.cluster_key)
         if rep.ready is None:
             rep.ready = loop.create_future()
         rep.tasks.append(loop.create_task(self._write(rep)))
         rep.tasks.append(loop.create_task(self._read(rep)))
-        rep.out.put_nowait(encode_msg("hello", {}))
+        rep.out.put_nowait(encode_msg(Hello(self._token, self.heartbeat_interval)))
         await rep.ready
+        rep.last_seen = loop.time()
         if rep.alive and not rep.leaving:  # a worker that is leaving says bye at once
             for role in rep.roles:
                 self._by_role.setdefault(role, []).append(rep)
 
     async def close(self) -> None:
         self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         for task in self._watchers:
             task.cancel()
         for task in list(self._background):
             task.cancel()
         for rep in list(self._replicas.values()):
             if rep.alive and rep.endpoint is not None and rep.process is not None:
-                rep.out.put_nowait(encode_msg("stop", {}))
+                rep.out.put_nowait(encode_msg(Stop()))
         for rep in list(self._replicas.values()):
             proc = rep.process
             if proc is not None and proc.returncode is None:
@@ -335,7 +427,13 @@ class RemoteRoles:
                     await task
             if rep.endpoint is not None:
                 rep.endpoint.close()
+            if rep.pool_nodes:  # its pools are gone with it
+                nodes, rep.pool_nodes = rep.pool_nodes, set()
+                await self._forget_pools(nodes)
         self._replicas.clear()
+        for task in list(self._meta_tasks):
+            with contextlib.suppress(BaseException):
+                await task
         if self._registry is not None:
             with contextlib.suppress(Exception):
                 await self._registry.close()
@@ -384,26 +482,14 @@ class RemoteRoles:
             and all(r.address.startswith("ipc://") for r in (targets or live))
         ):
             kwargs = self._offload_inputs(key, act.node, kwargs)
-        body = {
-            "c": call.call_id,
-            "a": act.aid,
-            "n": act.node,
-            "k": kwargs,
-            "s": call.session,
-            "g": act.group,
-            "q": act.seq[2],
-            "gr": call.graph,
-        }
-        off = self._offload.get((call.graph, act.node))
-        if off:
-            body["off"] = off
-            if self._threshold is not None:
-                body["th"] = self._threshold
-        conn = self._connectors.get(act.node)
-        if conn:
-            body["conn"] = conn
+        off = self._offload.get((call.graph, act.node)) or None
+        run = Run(
+            call.call_id, act.aid, act.node, kwargs, call.session, act.group, act.seq[2],
+            call.graph, off, self._threshold if off else None,
+            self._connectors.get(act.node) or None,
+        )  # fmt: skip
         try:
-            frames = encode_msg("run", body)
+            frames = encode_msg(run)
         except Exception as exc:
             del self._pending[key]
             self._on_done(
@@ -425,7 +511,7 @@ class RemoteRoles:
         self._send_run(key, frames, targets)
 
     def _send_run(self, key: tuple[str, int], frames: Any, targets: list[_Replica]) -> None:
-        if self._pending[key].core.c.plan.params:
+        if self._pending[key].core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).update(targets)
         for rep in targets:
             rep.held.add(key)
@@ -433,8 +519,10 @@ class RemoteRoles:
             # hop's latency); runs made while a batch of replies is handled are queued, so
             # the writer sends them back to back and the workers receive them in batches.
             if not self._in_batch and rep.out.empty() and rep.endpoint is not None:
+                assert rep.sealer is not None
                 try:
-                    if rep.endpoint.try_send(frames):
+                    # A refused try used a counter the writer skips: gaps are allowed.
+                    if rep.endpoint.try_send(rep.sealer.seal(frames)):
                         continue
                 except (TransportError, RuntimeClosedError):
                     pass  # the writer meets the same error and declares the replica lost
@@ -551,20 +639,20 @@ class RemoteRoles:
         for source, owned in by_owner.items():
             for rep in self._replicas.values():
                 if rep.alive and rep.address == source:
-                    rep.out.put_nowait(encode_msg("release", {"refs": owned}))
+                    rep.out.put_nowait(encode_msg(Release(owned)))
                     break
 
     def end_call(self, call_id: str) -> None:
         """Let the workers drop what a finished call left: params and data-plane blocks."""
         reps = self._call_replicas.pop(call_id, None)
         if reps:
-            frames = encode_msg("end_call", {"c": call_id})
+            frames = encode_msg(EndCall(call_id))
             for rep in reps:
                 if rep.alive:
                     rep.out.put_nowait(frames)
 
     def close_session(self, session: str) -> None:
-        frames = encode_msg("close_session", {"s": session})
+        frames = encode_msg(CloseSession(session))
         for rep in self._replicas.values():
             if rep.alive:
                 rep.out.put_nowait(frames)
@@ -580,7 +668,7 @@ class RemoteRoles:
                 p.error = asyncio.CancelledError()
                 asyncio.get_running_loop().call_soon(self._replica_done, None, key, None)
             return
-        frames = encode_msg("cancel", {"c": key[0], "a": key[1]})
+        frames = encode_msg(Cancel(key[0], key[1]))
         for rep in p.replicas:
             if rep.alive:
                 rep.out.put_nowait(frames)
@@ -592,13 +680,16 @@ class RemoteRoles:
             frames = await rep.out.get()
             if frames is None:
                 return
+            assert rep.sealer is not None
             try:
-                await rep.endpoint.send(frames)
+                await rep.endpoint.send(rep.sealer.seal(frames))
             except (TransportError, RuntimeClosedError) as exc:
                 self._lost(rep, f"sending to it failed ({exc})")
                 return
 
     async def _read(self, rep: _Replica) -> None:
+        loop = asyncio.get_running_loop()
+        opener = self._opener
         while True:
             try:
                 batch = await rep.endpoint.recv_batch()
@@ -607,49 +698,118 @@ class RemoteRoles:
             self._in_batch = True
             try:
                 for _peer, frames in batch:
+                    inner = opener.open(frames)
+                    if inner is None:
+                        self._dropped(rep, None)
+                        continue
+                    rep.last_seen = loop.time()
                     try:
-                        self._on_message(rep, frames)
+                        self._on_message(rep, decode_msg(inner))
+                    except ProtocolError as exc:
+                        self._dropped(rep, exc.reason, exc)
                     except (KeyError, TypeError, ValueError) as exc:  # a malformed body
-                        logger.warning("replica %s sent a bad message: %r", rep.replica_id, exc)
+                        self._dropped(rep, "malformed", exc)
             finally:
                 self._in_batch = False
 
-    def _on_message(self, rep: _Replica, frames: list[Any]) -> None:
-        try:
-            kind, body = decode_msg(frames)
-        except Exception as exc:
-            logger.warning("replica %s sent a bad message: %s", rep.replica_id, exc)
-            return
-        if kind == "frame":
-            self._replica_frame(rep, body)
-        elif kind == "frames":  # consecutive frames of one generator activation
-            for frame in body["fs"]:
-                self._replica_frame(rep, {"c": body["c"], "a": body["a"], "f": frame})
-        elif kind == "done":
-            if "f" in body:  # a coroutine's returned frame rides in its done
-                self._replica_frame(rep, body)
-            self._replica_done(rep, (body["c"], body["a"]), body["e"])
-        elif kind == "bye":
-            self._on_bye(rep)
-        elif kind == "ready" and rep.ready is not None and not rep.ready.done():
-            rep.pid = body.get("pid")
-            rep.ready.set_result(None)
-        elif kind == "stats":
-            fut = self._stats_waiting.pop(body["r"], None)
-            if fut is not None and not fut.done():
-                fut.set_result(body)
+    def _dropped(self, rep: _Replica, reason: str | None, exc: BaseException | None = None) -> None:
+        """Count a dropped message (the opener counted its own); log the first and then every
+        1000th, so a flood cannot flood the log too."""
+        if reason is not None:
+            self.wire.drop(reason)
+        total = sum(self.wire.dropped.values())
+        if total == 1 or total % 1000 == 0:
+            logger.warning(
+                "dropped %d messages from replicas so far (%s); last from %s: %s",
+                total,
+                self.wire.dropped,
+                rep.replica_id,
+                exc or "not authentic",
+            )
 
-    def _replica_frame(self, rep: _Replica, body: dict[str, Any]) -> None:
-        p = self._pending.get((body["c"], body["a"]))
+    def _on_message(self, rep: _Replica, msg: Message) -> None:
+        match msg:
+            case Frame(c=c, a=a, f=f):
+                self._replica_frame(rep, c, a, f)
+            case Frames(c=c, a=a, fs=fs):  # consecutive frames of one generator activation
+                for frame in fs:
+                    self._replica_frame(rep, c, a, frame)
+            case Done(c=c, a=a, f=f):
+                if (c, a) not in rep.held:
+                    self._dropped(
+                        rep,
+                        "foreign",
+                        OmniflowError(f"done of ({c!r:.40}, {a}), which it does not run"),
+                    )
+                    return
+                if f is not None:  # a coroutine's returned frame rides in its done
+                    self._replica_frame(rep, c, a, f)
+                self._replica_done(rep, (c, a), msg)
+            case Heartbeat():
+                pass  # last_seen is updated for every authentic message
+            case Bye():
+                self._on_bye(rep)
+            case Ready(pid=pid):
+                if rep.ready is not None and not rep.ready.done():
+                    rep.pid = pid
+                    rep.ready.set_result(None)
+            case StatsReply(r=r):
+                fut = self._stats_waiting.pop(r, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg._asdict())
+            case MetaCall(r=r, op=op, args=args):
+                # In order: each call is atomic (no await inside) and tasks start FIFO.
+                task = asyncio.get_running_loop().create_task(self._meta_call(rep, r, op, args))
+                self._meta_tasks.add(task)
+                task.add_done_callback(self._meta_tasks.discard)
+            case _:
+                self._dropped(
+                    rep,
+                    "unknown_kind",
+                    OmniflowError(f"a front does not take {type(msg).__name__}"),
+                )
+
+    async def _meta_call(self, rep: _Replica, r: int, op: str, args: list[Any]) -> None:
+        """Answer one call of a worker's pool on the front-hosted metadata."""
+        if not rep.alive:
+            return
+        try:
+            value = await serve_meta(self.pool_meta, op, args)
+        except OmniflowError as exc:
+            self._dropped(rep, "malformed", exc)
+            rep.out.put_nowait(encode_msg(MetaReply(r, None, str(exc))))
+            return
+        if op == "register":
+            rep.pool_nodes.add((args[0], args[1]))
+            out = rep.out
+
+            def notify(pool: str, session: str | None, keys: list[str]) -> None:
+                if rep.alive:
+                    out.put_nowait(encode_msg(MetaNotify(pool, session, keys)))
+
+            self.pool_meta.listen(args[0], args[1], notify)
+        elif op == "leave":
+            rep.pool_nodes.discard((args[0], args[1]))
+        rep.out.put_nowait(encode_msg(MetaReply(r, value)))
+
+    async def _forget_pools(self, nodes: set[tuple[str, str]]) -> None:
+        """A lost replica's pools leave the hosted metadata (their pages went with it)."""
+        for pool, node in sorted(nodes):
+            await self.pool_meta.leave(pool, node)
+
+    def _replica_frame(self, rep: _Replica, c: str, a: int, frame: Any) -> None:
+        if (c, a) not in rep.held:  # only the replica that runs an activation speaks for it
+            self._dropped(
+                rep, "foreign", OmniflowError(f"a frame of ({c!r:.40}, {a}), which it does not run")
+            )
+            return
+        p = self._pending.get((c, a))
         if p is not None:
-            frame = body["f"]
             if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
                 self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
             self._on_frame(p.call, p.core, p.act, frame)
 
-    def _replica_done(
-        self, rep: _Replica | None, key: tuple[str, int], err: dict[str, Any] | None
-    ) -> None:
+    def _replica_done(self, rep: _Replica | None, key: tuple[str, int], err: Done | None) -> None:
         if rep is not None:
             rep.held.discard(key)
         p = self._pending.get(key)
@@ -657,17 +817,19 @@ class RemoteRoles:
             return
         if rep in p.replicas:
             p.replicas.remove(rep)
-        if err is not None and p.error is None:
-            if err.get("cancel"):
+        if err is not None and err.et is not None and p.error is None:
+            if err.cancel:
                 p.error = asyncio.CancelledError()
             else:
-                p.error = NodeError(
+                error = NodeError(
                     p.act.node,
-                    f"{err['t']}: {err['m']}",
+                    f"{err.et}: {err.em}",
                     call_id=p.call.call_id,
                     graph=p.call.graph,
-                    exc_type=err["t"],
+                    exc_type=err.et,
                 )
+                error.traceback = err.tb
+                p.error = error
         if not p.replicas:
             del self._pending[key]
             front_refs = self._front_refs.pop(key, None)
@@ -689,14 +851,90 @@ class RemoteRoles:
                 reps.remove(rep)
         logger.info("replica %s is leaving, finishing %d runs", rep.replica_id, len(rep.held))
         if rep.alive:
-            rep.out.put_nowait(encode_msg("bye", {}))
+            rep.out.put_nowait(encode_msg(Bye()))
 
     async def _reap(self, rep: _Replica) -> None:
         assert rep.process is not None
         code = await rep.process.wait()
         rep.exit_code = code
-        if not self._closing:
-            self._lost(rep, f"its process exited with code {code}")
+        if self._closing:
+            return
+        self._lost(rep, f"its process exited with code {code}")
+        # One that never became ready is retried by the _respawn (or start) that spawned it.
+        if self.respawn and rep.spec is not None and not rep.leaving and rep.pid is not None:
+            self._in_background(self._respawn(rep))
+
+    async def _respawn(self, dead: _Replica) -> None:
+        """Start a new replica in the dead one's slot after a backoff: 0.1 s, doubling with
+        each death that came within a minute of its spawn, at most 30 s."""
+        assert dead.spec is not None
+        loop = asyncio.get_running_loop()
+        slot = (dead.spec.name, dead.slot)
+        if loop.time() - dead.born > RESPAWN_RESET:
+            self._backoff[slot] = 0
+        n = self._backoff.get(slot, 0)
+        self._backoff[slot] = n + 1
+        delay = min(RESPAWN_CAP, RESPAWN_BASE * 2**n)
+        if self._replicas.get(dead.replica_id) is dead:
+            del self._replicas[dead.replica_id]
+        for task in dead.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if dead.endpoint is not None:
+            dead.endpoint.close()
+        logger.warning(
+            "respawning a replica of %s in %.1f s (restart %d of this slot)",
+            dead.spec.name,
+            delay,
+            n + 1,
+        )
+        await asyncio.sleep(delay)
+        while not self._closing:
+            try:
+                await asyncio.wait_for(self._spawn(dead.spec, dead.slot), self.start_timeout)
+            except (OmniflowError, OSError, TimeoutError) as exc:
+                n = self._backoff[slot] = self._backoff.get(slot, 0) + 1
+                delay = min(RESPAWN_CAP, RESPAWN_BASE * 2**n)
+                logger.warning(
+                    "respawning %s failed (%s); next try in %.1f s", dead.spec.name, exc, delay
+                )
+                await asyncio.sleep(delay)
+                continue
+            for role in dead.spec.roles:
+                self.restarts[role] = self.restarts.get(role, 0) + 1
+            logger.warning("respawned a replica of %s (roles %s)", dead.spec.name, dead.spec.roles)
+            return
+
+    async def _supervise(self) -> None:
+        """Every quarter interval: a replica silent for ``heartbeat_misses`` intervals is lost
+        (a spawned one is killed first: SIGKILL, so it cannot come back half-alive). A front
+        whose own loop was stalled judges nobody on that tick: it has not read what waits."""
+        loop = asyncio.get_running_loop()
+        tick = self.heartbeat_interval / 4
+        limit = self.heartbeat_misses * self.heartbeat_interval
+        last = loop.time()
+        while not self._closing:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            stalled, last = now - last > tick + self.heartbeat_interval / 2, now
+            for rep in list(self._replicas.values()):
+                if not rep.alive or rep.ready is None or not rep.ready.done():
+                    continue
+                if stalled:
+                    rep.last_seen = max(rep.last_seen, now - tick)
+                    continue
+                if now - rep.last_seen <= limit:
+                    continue
+                silent = now - rep.last_seen
+                self._lost(
+                    rep,
+                    f"it missed {self.heartbeat_misses} heartbeats ({silent:.2f} s "
+                    "without a word; a spawned replica is killed)",
+                )
+
+    def readiness(self) -> list[str]:
+        """Roles with no live replica to route to (sorted); [] when every role can serve."""
+        return sorted(r for r in self.roles if not self._routable(r))
 
     async def _watch(self, role: str) -> None:
         """Follow the registry: connect to replicas that appear, drop the ones that vanish.
@@ -773,11 +1011,25 @@ class RemoteRoles:
         if not rep.alive:
             return
         rep.alive = False
+        proc = rep.process
+        if proc is not None and proc.returncode is None and not self._closing:
+            # Lost but running (a send failed, heartbeats missed): kill it, so it is reaped
+            # and respawned, and cannot come back half-alive.
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
         for reps in self._by_role.values():
             if rep in reps:
                 reps.remove(rep)
         if rep.ready is not None and not rep.ready.done():
-            rep.ready.set_exception(OmniflowError(f"worker {rep.replica_id} died before ready"))
+            reason = why
+            err_file = os.path.join(self._tmp, f"{rep.replica_id}.err")
+            with contextlib.suppress(OSError), open(err_file) as f:
+                reason = f.read(4000).strip() or why
+            rep.ready.set_exception(
+                OmniflowError(
+                    f"worker {rep.replica_id} (role(s) {rep.roles}) died before ready: {reason}"
+                )
+            )
             rep.ready.exception()  # retrieved: nobody may be waiting any more
         if rep.leaving and not rep.held:
             logger.info("replica %s left (%s)", rep.replica_id, why)
@@ -785,10 +1037,15 @@ class RemoteRoles:
             logger.warning("replica %s lost: %s", rep.replica_id, why)
         if rep.pid is not None:
             # Its pool is gone: consumers pulling from it over ZMQ would wait forever.
-            lost = encode_msg("source_lost", {"addr": rep.address, "pid": rep.pid})
+            lost = encode_msg(SourceLost(rep.address, rep.pid))
             for other in self._replicas.values():
                 if other.alive:
                     other.out.put_nowait(lost)
+        if rep.pool_nodes:
+            nodes, rep.pool_nodes = rep.pool_nodes, set()
+            task = asyncio.get_running_loop().create_task(self._forget_pools(nodes))
+            self._meta_tasks.add(task)
+            task.add_done_callback(self._meta_tasks.discard)
         for key in sorted(rep.held):
             p = self._pending.get(key)
             if p is None:
@@ -813,6 +1070,18 @@ class RemoteRoles:
             "remote_inflight": len(self._pending),
         }
 
+    def wire_statistics(self) -> dict[str, Any]:
+        """The authenticated wire and supervision, as seen by this front: messages accepted and
+        dropped by reason, forged registry records ignored, replicas respawned per role and
+        live replicas per role."""
+        forged = self._registry.statistics().get("forged_records", 0) if self._registry else 0
+        return {
+            **self.wire.snapshot(),
+            "forged_records": forged,
+            "restarts": dict(sorted(self.restarts.items())),
+            "live_replicas": {r: len(self._routable(r)) for r in sorted(self.roles)},
+        }
+
     async def data_plane_stats(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
         """Each live replica's ``DataPlane.statistics()`` (plus its ``pid``), by replica id.
 
@@ -828,7 +1097,7 @@ class RemoteRoles:
                 fut: asyncio.Future[dict[str, Any]] = loop.create_future()
                 asked[rid] = (rep.replica_id, fut)
                 self._stats_waiting[rid] = fut
-                rep.out.put_nowait(encode_msg("stats", {"r": rid}))
+                rep.out.put_nowait(encode_msg(StatsRequest(rid)))
         try:
             if asked:
                 await asyncio.wait([f for _, f in asked.values()], timeout=timeout)

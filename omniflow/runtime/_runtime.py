@@ -17,10 +17,12 @@ import contextlib
 import enum
 import itertools
 import logging
+import math
 import os
 import time
 from collections import deque
 from collections.abc import Generator
+from types import MappingProxyType
 from typing import Any
 
 from omniflow._exceptions import (
@@ -36,10 +38,11 @@ from omniflow.plan._parser import parse_graphs
 from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
-from omniflow.runtime._core import Activation, CallCore
+from omniflow.runtime._core import RUNNING, Activation, CallCore
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
+from omniflow.transport._auth import WireStats, resolve_key
 
 __all__ = ["Runtime", "RuntimeState"]
 
@@ -66,6 +69,7 @@ def _context_of(call: Call, act: Activation) -> ActivationContext:
         params=params,
         seq=act.seq[2],
         aid=act.aid,
+        pools=call._rt._pool_view,
     )
 
 
@@ -110,9 +114,14 @@ class Runtime:
     event loop), ``"process"`` (every role in a worker process of its own) or
     ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here).
     ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory);
-    workers heartbeat every ``heartbeat_interval`` seconds and count as lost three intervals
-    after their last one. Scheduling always stays in this process, so semantics do not depend
-    on placement.
+    workers heartbeat every ``heartbeat_interval`` seconds from their event loop and count as
+    lost (a spawned one is killed, then respawned with backoff) ``heartbeat_misses`` intervals
+    (default 10) after their last one; a method that blocks its worker's loop that long is
+    taken for a hung worker.
+    Every message between processes is authenticated with ``cluster_key`` (default
+    ``$OMNIFLOW_CLUSTER_KEY``, else one generated here and handed to the spawned workers); the
+    Params Pools of the graphs seal their page pulls with the same key (``set_cluster_key``).
+    Scheduling always stays in this process, so semantics do not depend on placement.
     """
 
     def __init__(
@@ -127,14 +136,35 @@ class Runtime:
         data_threshold: int = DEFAULT_THRESHOLD,
         stream_high_water: int = 1024,
         heartbeat_interval: float = 1.0,
+        cluster_key: str | bytes | None = None,
+        heartbeat_misses: int = 10,
+        session_ttl: float | None = 3600.0,
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
+        if session_ttl is not None and (
+            isinstance(session_ttl, bool)
+            or not isinstance(session_ttl, int | float)
+            or not session_ttl > 0
+        ):
+            raise OmniflowError(
+                f"session_ttl must be a positive number of seconds or None, got {session_ttl!r}"
+            )
+        #: Seconds a session may stay idle (no running or queued call) before it is closed.
+        self.session_ttl = session_ttl
         self.plans: dict[str, StaticPlan] = parse_graphs(graphs)
         role_modules: dict[str, str | None] = {}
+        instances: dict[str, object] = {}
         for g in graphs:
             for rname, role in g.roles.items():
                 if not isinstance(role, RoleRef):
+                    if instances.setdefault(rname, role) is not role and placement != "inproc":
+                        raise OmniflowError(
+                            f"role name '{rname}' names different roles in modules "
+                            f"{role_modules[rname]} and {g.module}; that works in-process, "
+                            "but worker processes are found by role name: rename one of them "
+                            "to use this placement"
+                        )
                     role_modules[rname] = g.module
         processes = plan_processes(placement, role_modules)
         if registry is not None and not processes:
@@ -143,6 +173,7 @@ class Runtime:
             )
         remote_roles = frozenset(r for p in processes for r in p.roles)
         edge_conns = resolve_connectors(self.plans, connectors, remote_roles, processes)
+        key = resolve_key(cluster_key)[0] if processes or cluster_key is not None else None
         #: This process's data plane (None when every role runs here: objects pass as is).
         self.plane: DataPlane | None = DataPlane(threshold=data_threshold) if processes else None
         offload = {
@@ -162,6 +193,8 @@ class Runtime:
                 offload=offload,
                 connectors=edge_conns,
                 heartbeat_interval=heartbeat_interval,
+                cluster_key=key,
+                heartbeat_misses=heartbeat_misses,
             )
             if processes
             else None
@@ -182,20 +215,43 @@ class Runtime:
             }
             for name, c in self._compiled.items()
         }
+        #: Params Pools of every graph by name; pages a call allocates under its call id are
+        #: released when the call ends (``_finish_call``).
+        self._pools: dict[str, Any] = {}
+        for g in graphs:
+            for pool in g.pools:
+                if self._pools.setdefault(pool.name, pool) is not pool:
+                    raise OmniflowError(f"two different ParamsPools are named '{pool.name}'")
+        self._pool_view = MappingProxyType(self._pools)
+        if key is not None:  # this process's pools pull with the deployment's key too
+            for pool in self._pools.values():
+                pool.set_cluster_key(key)
+        if self.remote is not None and self._pools:
+            self.remote.track_calls = True
+            for pool in self._pools.values():  # metadata=None: the one the front hosts
+                pool.use_metadata(self.remote.pool_meta)
         self._factories: dict[str, GlobalParameters] = {}
         for p in self.plans.values():
             self._factories.update(p.params)
         roles: dict[int, Any] = {}
+        #: id(role instance) -> its role name (for messages such as a failed setup()).
+        self._role_names: dict[int, str] = {}
         for p in self.plans.values():
             for rname, r in p.roles.items():
                 if rname not in remote_roles:
                     roles.setdefault(id(r), r)
+                    self._role_names.setdefault(id(r), rname)
         self._roles = list(roles.values())
+        if self._pools:
+            for role in self._roles:
+                role.pools = self._pool_view
         self.state = RuntimeState.NEW
         self._ids = itertools.count(1)
         self._calls: dict[str, Call] = {}
         self._queues: dict[str, deque[Call]] = {}
         self._params: dict[str, SessionParams] = {}
+        #: Idle sessions -> the timer that closes them after ``session_ttl``.
+        self._idle: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: Bounded log of transitions: (call id, event, details).
         self.story_log: deque[tuple[Any, ...]] | None = (
@@ -230,7 +286,7 @@ class Runtime:
             for role in self._roles:
                 setup = getattr(role, "setup", None)
                 if setup is not None:
-                    await setup()
+                    await setup_role(self._role_names[id(role)], setup)
                 self._set_up.append(role)
         except BaseException:
             await self.close()
@@ -259,17 +315,38 @@ class Runtime:
                     errors.append(exc)
         self._set_up.clear()
         self._params.clear()
+        for timer in self._idle.values():
+            timer.cancel()
+        self._idle.clear()
         if errors:
             raise OmniflowError(f"role teardown failed: {errors[0]!r}") from errors[0]
 
     # ------------------------------------------------------------------ public API
 
-    def call(self, graph: str, inputs: dict[str, Any], session: str | None = None) -> Call:
-        """Start a call of ``graph``; returns at once. Calls of one session run in FIFO order."""
-        return self._submit(graph, inputs, session, now=False)
+    def call(
+        self,
+        graph: str,
+        inputs: dict[str, Any],
+        session: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Call:
+        """Start a call of ``graph``; returns at once. Calls of one session run in FIFO order.
+
+        ``timeout``: seconds from now; past them the call is cancelled and ends "error" with
+        a NodeError of kind "timeout" naming a node still running (time spent queued behind
+        the session's earlier calls counts).
+        """
+        return self._submit(graph, inputs, session, now=False, timeout=timeout)
 
     def _submit(
-        self, graph: str, inputs: dict[str, Any], session: str | None, *, now: bool
+        self,
+        graph: str,
+        inputs: dict[str, Any],
+        session: str | None,
+        *,
+        now: bool,
+        timeout: float | None = None,
     ) -> Call:
         """Check and enqueue a call; ``now``: start it in this step when it need not queue
         (``run`` does, being awaited already; ``call`` never runs user code before returning)."""
@@ -304,11 +381,28 @@ class Runtime:
                 )
         if session is not None and not isinstance(session, str):
             raise InputError(f"session must be a str or None, got {session!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise InputError(
+                f"graph '{graph}': timeout must be a positive number of seconds or None, "
+                f"got {timeout!r}",
+                graph=graph,
+            )
         call_id = f"c{next(self._ids)}"
         call = Call(self, graph, call_id, dict(inputs), session)
         self._calls[call_id] = call
         assert self._loop is not None
+        if timeout is not None:
+            call._timeout = float(timeout)
+            call._timer = self._loop.call_at(self._loop.time() + timeout, self._time_out, call)
         if session is not None:
+            idle = self._idle.pop(session, None)
+            if idle is not None:  # busy again: not closed while a call is queued or runs
+                idle.cancel()
             q = self._queues.get(session)
             if q is None:
                 q = self._queues[session] = deque()
@@ -322,10 +416,16 @@ class Runtime:
         return call
 
     async def run(
-        self, graph: str, inputs: dict[str, Any], session: str | None = None
+        self,
+        graph: str,
+        inputs: dict[str, Any],
+        session: str | None = None,
+        *,
+        timeout: float | None = None,
     ) -> dict[str, list[Any]]:
-        """Run a call to its end; frames by field. Raises the first NodeError of the call."""
-        call = self._submit(graph, inputs, session, now=True)
+        """Run a call to its end; frames by field. Raises the first NodeError of the call
+        (a ``kind="timeout"`` one when ``timeout`` seconds passed first)."""
+        call = self._submit(graph, inputs, session, now=True, timeout=timeout)
         if call.done:  # finished within its first step: no need to wait on anything
             out: dict[str, list[Any]] = {}
             for frame in call._frames:
@@ -334,7 +434,7 @@ class Runtime:
         else:
             out = await call.collect()
         for err in call.errors:
-            if err.kind == "error":
+            if err.kind == "error" or err.kind == "timeout":
                 raise err
         if call.status == "cancelled":
             raise call.errors[0] if call.errors else NodeError("<call>", "cancelled", kind="cancel")
@@ -358,6 +458,27 @@ class Runtime:
             "active_calls": len(self._calls),
             "data_plane_bytes": held,
         }
+
+    def readiness(self) -> list[str]:
+        """Roles that have no live replica right now (sorted); [] when every role can serve.
+
+        In-process roles are always ready; a role placed in workers is missing while every
+        replica of it is dead, respawning or leaving (``/readyz`` answers 503 naming them).
+        """
+        return [] if self.remote is None else self.remote.readiness()
+
+    def wire_stats(self) -> dict[str, Any]:
+        """The authenticated wire and worker supervision (all zeros in-process).
+
+        ``accepted`` and ``dropped_<reason>`` count the messages from replicas that this front
+        took and refused (reasons: ``bad_mac``, ``replay``, ``malformed``, ``unknown_kind``,
+        ``foreign``); ``forged_records`` the registry records ignored for a bad signature;
+        ``restarts`` the replicas respawned per role; ``live_replicas`` per role.
+        """
+        if self.remote is None:
+            return {**WireStats().snapshot(), "forged_records": 0, "restarts": {},
+                    "live_replicas": {}}  # fmt: skip
+        return self.remote.wire_statistics()
 
     def data_plane_stats(self) -> dict[str, int]:
         """This process's buffer pool (all zeros while no role runs in a worker process)."""
@@ -392,14 +513,44 @@ class Runtime:
         return [(ev, d) for cid, ev, d in self.story_log if cid == call_id]
 
     async def close_session(self, session: str) -> None:
-        """Wait for the session's queued calls, then release its GlobalParameters."""
+        """Wait for the session's queued and running calls, then release its
+        GlobalParameters and its Params Pool run locks here and in every worker (a later call
+        starts it afresh)."""
         q = self._queues.get(session)
         while q:
             await q[-1]._done.wait()
             q = self._queues.get(session)
+        self._drop_session(session)
+
+    def _drop_session(self, session: str) -> None:
+        idle = self._idle.pop(session, None)
+        if idle is not None:
+            idle.cancel()
         self._params.pop(session, None)
+        if self._pools and self._loop is not None:  # its chains' run locks in every pool
+            for pool in self._pools.values():
+                self._track(self._loop.create_task(pool.close_session(session)))
         if self.remote is not None:
             self.remote.close_session(session)
+
+    def _session_idle(self, session: str) -> None:
+        """The session's last call ended: close it after ``session_ttl`` unless a call
+        comes first (one timer per idle session; nothing is kept past the TTL)."""
+        if self.session_ttl is None or self._loop is None or self.state is not RuntimeState.RUNNING:
+            return
+        old = self._idle.get(session)
+        if old is not None:
+            old.cancel()
+        self._idle[session] = self._loop.call_at(
+            self._loop.time() + self.session_ttl, self._expire_session, session
+        )
+
+    def _expire_session(self, session: str) -> None:
+        self._idle.pop(session, None)
+        if self._queues.get(session):  # a call arrived in between (its submit disarms us)
+            return
+        logger.debug("session %.80r idle for %ss: closed", session, self.session_ttl)
+        self._drop_session(session)
 
     # ------------------------------------------------------------------ shell
 
@@ -519,7 +670,18 @@ class Runtime:
             _current.reset(token)
         act.task = task
         self._track(task)
+        task.add_done_callback(lambda t: self._drive_ended(call, core, act, t))
         return None
+
+    def _drive_ended(
+        self, call: Call, core: CallCore, act: Activation, task: asyncio.Task[Any]
+    ) -> None:
+        """A generator task ended. ``_drive`` reports the end itself; a task cancelled before
+        its first step never ran its body, so its end is reported here (else the call would
+        wait for it forever)."""
+        if act.task is task and act.state == RUNNING and not call.done:
+            exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+            self._ended(call, core, act, exc or asyncio.CancelledError())
 
     def _resumed(
         self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
@@ -680,6 +842,42 @@ class Runtime:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _time_out(self, call: Call) -> None:
+        """The call's deadline passed: cancel it; it ends "error" with a "timeout" NodeError
+        naming the earliest activation still running (or the session queue it waits in)."""
+        call._timer = None
+        if call.done:
+            return
+        after = f"the call exceeded its timeout of {call._timeout:g}s"
+        core = call.core
+        if core is None:
+            err = NodeError(
+                "<session queue>",
+                f"{after} while queued behind earlier calls of session {call.session!r}",
+                kind="timeout",
+                call_id=call.call_id,
+                graph=call.graph,
+            )
+            call._timed_out = True
+            self._finish_call(call, None, status="error", errors=[err])
+            return
+        running = sorted(core.running, key=lambda a: a.aid)
+        node = running[0].node if running else "<call>"
+        err = NodeError(
+            node,
+            f"{after} while this node was still running; raise timeout= or make it faster",
+            kind="timeout",
+            call_id=call.call_id,
+            graph=call.graph,
+        )
+        call._timed_out = True
+        try:
+            core.errors.append(err)
+            core.cancel(kind="timeout", reason=f"timeout after {call._timeout:g}s")
+            self._pump(call)
+        except Exception as exc:
+            self._crash(call, exc)
+
     def _cancel_call(self, call: Call) -> None:
         if call.done:
             return
@@ -694,10 +892,28 @@ class Runtime:
         except Exception as exc:
             self._crash(call, exc)
 
-    def _finish_call(self, call: Call, core: CallCore | None, status: str | None = None) -> None:
+    def _release_pools(self, call_id: str) -> None:
+        """Unpin the pages the call holds in any Params Pool (ok, error or cancelled)."""
+        for pool in self._pools.values():
+            if pool.holds(call_id) and self._loop is not None:
+                self._track(self._loop.create_task(pool.release(call_id)))
+
+    def _finish_call(
+        self,
+        call: Call,
+        core: CallCore | None,
+        status: str | None = None,
+        errors: list[NodeError] | None = None,
+    ) -> None:
         if call.done:
             return
+        timer = call._timer
+        if timer is not None:
+            call._timer = None
+            timer.cancel()
         self._calls.pop(call.call_id, None)
+        if self._pools:
+            self._release_pools(call.call_id)
         if self.remote is not None:
             self.remote.end_call(call.call_id)
         if self.plane is not None:
@@ -706,9 +922,10 @@ class Runtime:
             if core.emitted:
                 call._push(core.emitted)
                 core.emitted = []
-            call._finish(core.status, core.errors)
+            # A call cut by its deadline ends "error" (its cancelled methods say "cancel").
+            call._finish("error" if call._timed_out else core.status, core.errors)
         else:
-            call._finish(status or "cancelled", [])
+            call._finish(status or "cancelled", errors or [])
         if self.metrics is not None:
             done = self.metrics.calls_finished
             done[call.status] = done.get(call.status, 0) + 1
@@ -723,6 +940,15 @@ class Runtime:
                         self._loop.call_soon(self._start_call, nxt)
                 else:
                     del self._queues[call.session]
+                    self._session_idle(call.session)
+
+
+async def setup_role(name: str, setup: Any) -> None:
+    """Await a role's ``setup()``; a failure says which role (both placements use this)."""
+    try:
+        await setup()
+    except Exception as exc:
+        raise OmniflowError(f"role '{name}' setup() failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _read_refs(plane: DataPlane, value: Any) -> Any:

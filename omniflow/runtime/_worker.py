@@ -7,6 +7,12 @@ ROUTER endpoint, registers each role in the registry (when one is given) and the
 ``run`` message it receives, streaming frames back to the front that asked. It takes no
 scheduling decision: buckets, ordering and liveness stay in the front's call core, so
 semantics are the same as in-process by construction.
+
+Every message it takes must carry a valid MAC under the cluster key (``$OMNIFLOW_CLUSTER_KEY``
+or ``--cluster-key-file``; checked before anything is decoded) and a fresh counter; control
+messages act only on what the sending front owns (its activations, the calls whose state it
+made here; ``stop`` only from the front that spawned this worker). Drops are counted by
+reason and answered in ``StatsReply.wire``. It heartbeats every front that said hello.
 """
 
 from __future__ import annotations
@@ -18,17 +24,49 @@ import logging
 import os
 import signal
 import socket
+import traceback
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
+from omniflow.data._handle import BlockHandle
 from omniflow.data._plane import DataPlane, DataRef, PullClient, refs_in
+from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import load_graphs, parse_graphs
 from omniflow.runtime._params import SessionParams
-from omniflow.runtime._protocol import decode_msg, encode_msg
 from omniflow.transport import bind
+from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
+from omniflow.transport._protocol import (
+    MESSAGES,
+    Bye,
+    Cancel,
+    CloseSession,
+    Done,
+    EndCall,
+    Frame,
+    Heartbeat,
+    Hello,
+    Message,
+    MetaCall,
+    MetaNotify,
+    MetaReply,
+    ProtocolError,
+    Pull,
+    Pulled,
+    PullFailed,
+    Ready,
+    Release,
+    Run,
+    SourceLost,
+    StatsReply,
+    StatsRequest,
+    Stop,
+    decode_msg,
+    encode_msg,
+)
 
 __all__ = ["Worker", "run_worker"]
 
@@ -59,6 +97,8 @@ class Worker:
         heartbeat_interval: float = 1.0,
         drain_timeout: float = 30.0,
         parent_pid: int | None = None,
+        cluster_key: bytes | None = None,
+        owner: str | None = None,
     ) -> None:
         self.modules = list(modules)
         self.role_names = list(roles)
@@ -77,6 +117,10 @@ class Worker:
         self._methods: dict[str, Any] = {}
         self._generators: set[str] = set()
         self._roles: list[Any] = []
+        self._pools: dict[str, Any] = {}
+        self._pool_view = MappingProxyType(self._pools)
+        self._pool_releases: set[asyncio.Task[Any]] = set()
+        self._role_names_of: dict[int, str] = {}
         self._factories: dict[str, GlobalParameters] = {}
         self._session_params: dict[str, SessionParams] = {}
         self._call_params: dict[str, SessionParams] = {}
@@ -91,7 +135,29 @@ class Worker:
         #: Fields each running activation offloads to the data plane.
         self._offload: dict[_Key, Any] = {}
         self._payloads = itertools.count()
-        self._puller = PullClient()
+        key = cluster_key if cluster_key is not None else resolve_key(generate=False)[0]
+        #: Accepted and dropped messages (bad MAC, replay, malformed, unknown, foreign).
+        self.wire = WireStats()
+        self._key = key
+        self._sealer = Sealer(key)
+        self._opener = Opener(key, self.wire)
+        #: The front that spawned this worker (its Hello says so); only it may ``stop`` it.
+        self.owner = owner
+        #: Peer -> the front token its Hello carried.
+        self._fronts: dict[bytes | None, str] = {}
+        #: Peer -> heartbeat interval it asked for.
+        self._intervals: dict[bytes | None, float] = {}
+        #: Call id -> the peer whose runs made call-scoped state here (params, pool blocks):
+        #: only it may end the call or release its blocks.
+        self._call_owner: dict[str, bytes | None] = {}
+        #: Graphs with GlobalParameters (only their calls get per-call params here).
+        self._param_graphs: set[str] = set()
+        self._no_params = SessionParams({})
+        #: The Params Pools' metadata hosted by the front that spawned this worker (pools
+        #: with metadata=None use it; attached when that front says hello).
+        self._hosted: HostedMetadata | None = HostedMetadata() if owner is not None else None
+        self._hosted_peer: bytes | None = None
+        self._puller = PullClient(key, self.wire)
         #: This process's data plane (its pool is created on first offload).
         self.plane = DataPlane(pull=self._puller.pull)
 
@@ -100,9 +166,16 @@ class Worker:
         for module in self.modules:
             graphs.extend(load_graphs(module))
         plans = parse_graphs(graphs)
+        for g in graphs:  # Params Pools: this process's own instances (metadata shares them)
+            for pool in g.pools:
+                if self._pools.setdefault(pool.name, pool) is pool and self._hosted is not None:
+                    pool.use_metadata(self._hosted)
+                pool.set_cluster_key(self._key)  # pulls between pools use the cluster key too
         found: dict[str, Any] = {}
-        for plan in plans.values():
+        for gname, plan in plans.items():
             self._factories.update(plan.params)
+            if plan.params:
+                self._param_graphs.add(gname)
             for node, spec in plan.specs.items():
                 if spec.role in self.role_names:
                     role = plan.roles[spec.role]
@@ -117,16 +190,29 @@ class Worker:
                 f"{sorted({s.role for p in plans.values() for s in p.specs.values()})}"
             )
         seen: set[int] = set()
-        for role in found.values():
+        for rname, role in found.items():
             if id(role) not in seen:
                 seen.add(id(role))
                 self._roles.append(role)
+                if self._pools:
+                    role.pools = self._pool_view
+                self._role_names_of[id(role)] = rname
 
     async def run(self) -> None:
         """Load, set up, serve until ``stop`` (or SIGTERM), tear down."""
-        self._load()
-        for role in self._roles:
-            await role.setup()
+        from omniflow.runtime._runtime import setup_role
+
+        try:
+            self._load()
+            for role in self._roles:
+                await setup_role(self._role_names_of[id(role)], role.setup)
+        except Exception as exc:
+            # The front that spawned this worker reads why it did not start from here.
+            path = os.environ.get("OMNIFLOW_START_ERROR_FILE")
+            if path:
+                with contextlib.suppress(OSError), open(path, "w") as f:
+                    f.write(str(exc))
+            raise
         endpoint = bind(self.address)
         self.plane.shm.source = endpoint.url
         registry = None
@@ -135,7 +221,7 @@ class Worker:
                 from omniflow.registry import create_registry
 
                 registry = create_registry(
-                    self.registry_url, heartbeat_interval=self.heartbeat_interval
+                    self.registry_url, heartbeat_interval=self.heartbeat_interval, key=self._key
                 )
                 await registry.start()
                 for name in self.role_names:
@@ -148,7 +234,9 @@ class Worker:
             writer = loop.create_task(self._write(endpoint))
             reader = loop.create_task(self._read(endpoint))
             orphaned = loop.create_task(self._watch_parent()) if self.parent_pid else None
+            beating = loop.create_task(self._heartbeat())
             await self._stop.wait()
+            beating.cancel()
             if orphaned is not None:
                 orphaned.cancel()
             await self._leave(registry)
@@ -199,7 +287,7 @@ class Worker:
         self._leaving = True
         self._unacked = set(self._peers)
         for peer in self._unacked:
-            self._send(peer, "bye", {})
+            self._send(peer, Bye())
         loop = asyncio.get_running_loop()
         start = last_bye = loop.time()
         while loop.time() - start < self.drain_timeout:
@@ -210,7 +298,7 @@ class Worker:
             if loop.time() - last_bye >= self.heartbeat_interval:
                 last_bye = loop.time()
                 for peer in {key[0] for key in self._running}:
-                    self._send(peer, "bye", {})
+                    self._send(peer, Bye())
             await asyncio.sleep(0.01)
         logger.warning(
             "worker %s: %d activations still running after %ss; cancelling them",
@@ -226,9 +314,11 @@ class Worker:
                 return
             peer, frames = item
             try:
-                await endpoint.send(frames, peer=peer)
+                await endpoint.send(self._sealer.seal(frames), peer=peer)
             except TransportError:
                 logger.warning("worker %s: a front went away", self.replica_id)
+                if self._hosted is not None and peer == self._hosted_peer:
+                    self._hosted.detach("the front that hosts the pools' metadata went away")
                 self._peers.discard(peer)
                 self._unacked.discard(peer)
 
@@ -238,63 +328,160 @@ class Worker:
                 batch = await endpoint.recv_batch()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            for peer, frames in batch:
+            for i, (peer, frames) in enumerate(batch):
+                if i and i % 256 == 0:
+                    await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
+                inner = self._opener.open(frames)
+                if inner is None:
+                    self._dropped(None)
+                    continue
                 try:
-                    kind, body = decode_msg(frames)
-                    self._handle(peer, kind, body)
-                except Exception as exc:  # malformed input never kills the worker
-                    logger.warning("worker %s: dropped a bad message: %s", self.replica_id, exc)
+                    self._handle(peer, decode_msg(inner))
+                except ProtocolError as exc:
+                    self._dropped(exc.reason, exc)
+                except Exception as exc:  # a bad message never kills the worker
+                    self._dropped("malformed", exc)
 
-    def _send(self, peer: bytes | None, kind: str, body: dict[str, Any]) -> None:
-        self._out.put_nowait((peer, encode_msg(kind, body)))
-
-    def _handle(self, peer: bytes | None, kind: str, body: Any) -> None:
-        if kind == "run":
-            self._start(peer, _checked_run(body))
-        elif kind == "cancel":
-            task = self._running.get((peer, body["c"], body["a"]))
-            if task is not None:
-                task.cancel()
-        elif kind == "hello":
-            self._peers.add(peer)
-            self._send(
-                peer,
-                "ready",
-                {"replica": self.replica_id, "roles": self.role_names, "pid": os.getpid()},
+    def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
+        """Count a dropped message (the opener counted its own) and log the first of each
+        kind and then every 1000th, so a flood cannot flood the log as well."""
+        if reason is not None:
+            self.wire.drop(reason)
+        total = sum(self.wire.dropped.values())
+        if total == 1 or total % 1000 == 0:
+            logger.warning(
+                "worker %s: dropped %d messages so far (%s); last: %s",
+                self.replica_id,
+                total,
+                self.wire.dropped,
+                exc or "not authentic",
             )
-            if self._leaving:
-                self._send(peer, "bye", {})
-        elif kind == "end_call":
-            self._call_params.pop(body["c"], None)
-            self.plane.cleanup(body["c"])
-        elif kind == "release":
-            for ref in body["refs"]:
-                self.plane.release(ref)
-        elif kind == "pull":
-            try:
-                data: Any = self.plane.serve_pull(body["h"])
-                self._send(peer, "pulled", {"r": body["r"], "data": data})
-            except Exception as exc:
-                self._send(peer, "pull_failed", {"r": body["r"], "error": str(exc)})
-        elif kind == "stats":
-            self._send(
-                peer,
-                "stats",
-                {"r": body["r"], "replica": self.replica_id, "pid": os.getpid(),
-                 "plane": self.plane.statistics()},
-            )  # fmt: skip
-        elif kind == "source_lost":
-            self._puller.lost(body["addr"], body["pid"])
-        elif kind == "close_session":
-            self._session_params.pop(body["s"], None)
-        elif kind == "stop":
-            self._stop.set()
-        elif kind == "bye":
-            self._unacked.discard(peer)
-        else:
-            raise TransportError(f"unknown message kind {kind!r}")
 
-    def _params(self, session: str | None, call_id: str) -> SessionParams:
+    async def _heartbeat(self) -> None:
+        """Tell every front that said hello that this worker lives, as often as it asked."""
+        beat = encode_msg(Heartbeat())
+        while True:
+            interval = min(self._intervals.values(), default=self.heartbeat_interval)
+            await asyncio.sleep(max(0.01, interval))
+            for peer in self._peers:
+                self._out.put_nowait((peer, beat))
+
+    def _send(
+        self, peer: bytes | None, kind: str | Message, body: dict[str, Any] | None = None
+    ) -> None:
+        msg = MESSAGES[kind][0](**(body or {})) if isinstance(kind, str) else kind
+        self._out.put_nowait((peer, encode_msg(msg)))
+
+    def _handle(self, peer: bytes | None, msg: Message) -> None:
+        match msg:
+            case Run():
+                self._start(peer, _run_body(msg))
+            case Cancel(c=c, a=a):
+                task = self._running.get((peer, c, a))
+                if task is not None:
+                    task.cancel()
+            case Hello(front=front, interval=interval):
+                self._peers.add(peer)
+                self._fronts[peer] = front
+                if 0 < interval < 3600:  # (NaN and inf are not)
+                    self._intervals[peer] = interval
+                self._send(peer, Ready(self.replica_id, self.role_names, os.getpid()))
+                if self._hosted is not None and front == self.owner:
+                    self._hosted_peer = peer
+                    self._hosted.attach(lambda r, op, args: self._send(peer, MetaCall(r, op, args)))
+                if self._leaving:
+                    self._send(peer, Bye())
+            case EndCall(c=c):
+                if self._owns(peer, c):
+                    del self._call_owner[c]
+                    self._call_params.pop(c, None)
+                    self.plane.cleanup(c)
+                    for pool in self._pools.values():  # pages the call pinned here
+                        if pool.holds(c):
+                            self._release_pool(pool, c)
+            case Release(refs=refs):
+                for ref in refs:
+                    if type(ref) is not DataRef:
+                        self._dropped("malformed", TransportError("release of a non-DataRef"))
+                    elif self._owns(peer, ref.key[1]):
+                        self.plane.release(ref)
+            case Pull(r=r, h=h):
+                try:
+                    if type(h) is not BlockHandle:
+                        raise TransportError(f"a pull names a {type(h).__name__}, not a block")
+                    self._send(peer, Pulled(r, self.plane.serve_pull(h)))
+                except Exception as exc:
+                    self._send(peer, PullFailed(r, str(exc)))
+            case StatsRequest(r=r):
+                self._send(
+                    peer,
+                    StatsReply(
+                        r,
+                        self.replica_id,
+                        os.getpid(),
+                        self.plane.statistics(),
+                        self.wire.snapshot(),
+                    ),
+                )
+            case SourceLost(addr=addr, pid=pid):
+                self._puller.lost(addr, pid)
+            case CloseSession(s=session):
+                self._session_params.pop(session, None)
+                for pool in self._pools.values():
+                    task = asyncio.get_running_loop().create_task(pool.close_session(session))
+                    self._pool_releases.add(task)
+                    task.add_done_callback(self._pool_releases.discard)
+            case Stop():
+                if self.owner is not None and self._fronts.get(peer) == self.owner:
+                    self._stop.set()
+                else:
+                    self._dropped(
+                        "foreign",
+                        TransportError("stop from a front that did not spawn this worker"),
+                    )
+            case MetaNotify(p=pool, s=session, keys=keys):
+                if self._hosted is not None and peer == self._hosted_peer:
+                    if all(type(k) is str for k in keys):
+                        self._hosted.notify(pool, session, keys)
+                    else:
+                        self._dropped("malformed", TransportError("notify of non-str hashes"))
+                else:
+                    self._dropped("foreign", TransportError("notify from another front"))
+            case MetaReply(r=r, v=v, e=e):
+                if (
+                    self._hosted is not None
+                    and self._hosted.attached
+                    and (peer == self._hosted_peer)
+                ):
+                    self._hosted.reply(r, v, e)
+                else:
+                    self._dropped("foreign", TransportError("metadata reply from another front"))
+            case Bye():
+                self._unacked.discard(peer)
+            case _:
+                self._dropped(
+                    "unknown_kind", TransportError(f"a worker does not take {type(msg).__name__}")
+                )
+
+    def _release_pool(self, pool: Any, call_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(pool.release(call_id))
+        self._pool_releases.add(task)
+        task.add_done_callback(self._pool_releases.discard)
+
+    def _owns(self, peer: bytes | None, call_id: str) -> bool:
+        """Whether ``peer`` made the call-scoped state of ``call_id`` here; a message about a
+        call another front owns is dropped and counted (foreign), one about none is a no-op."""
+        owner = self._call_owner.get(call_id, peer)
+        if owner != peer:
+            self._dropped(
+                "foreign", TransportError(f"call {call_id!r:.40} belongs to another front")
+            )
+            return False
+        return call_id in self._call_owner
+
+    def _params(self, session: str | None, call_id: str, graph: str = "") -> SessionParams:
+        if session is None and graph not in self._param_graphs:
+            return self._no_params  # nothing per call to keep (and no end_call will come)
         table = self._session_params if session is not None else self._call_params
         key = session if session is not None else call_id
         p = table.get(key)
@@ -312,6 +499,7 @@ class Worker:
             if any(self.plane.needs_pull(r, conn.get(r.key[0], "auto")) for r in refs):
                 task = asyncio.get_running_loop().create_task(self._pull_then_run(peer, body))
                 self._running[key] = task
+                task.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
                 body["k"] = {f: self._resolve_now(v, conn) for f, v in kwargs.items()}
@@ -355,6 +543,10 @@ class Worker:
     def _run(self, peer: bytes | None, body: dict[str, Any]) -> None:
         c, a, node = body["c"], body["a"], body["n"]
         off = body.get("off")
+        # The front will send end_call (it tracks this worker for the call) when the call may
+        # leave state here: offloaded outputs, per-call params, or pages in a Params Pool.
+        if (off or self._pools or body["gr"] in self._param_graphs) and c not in self._call_owner:
+            self._call_owner[c] = peer
         if off:
             self._offload[(peer, c, a)] = (node, off, body.get("th"))
         method = self._methods.get(node)
@@ -367,9 +559,10 @@ class Worker:
             call_id=c,
             node=node,
             or_group=body["g"],
-            params=self._params(body["s"], c),
+            params=self._params(body["s"], c, body["gr"]),
             seq=body["q"],
             aid=a,
+            pools=self._pool_view,
         )
         token = _current.set(ctx)
         loop = asyncio.get_running_loop()
@@ -381,7 +574,9 @@ class Worker:
                 except Exception as exc:
                     self._done(peer, c, a, exc)
                     return
-                self._running[key] = loop.create_task(self._drive(key, agen))
+                gtask = loop.create_task(self._drive(key, agen))
+                self._running[key] = gtask
+                gtask.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
                 coro = method(**body["k"])
@@ -409,6 +604,16 @@ class Worker:
             return
         exc = task.exception()
         self._done(peer, c, a, exc, None if exc is not None else task.result())
+
+    def _unreported(self, key: _Key, task: asyncio.Task[Any]) -> None:
+        """A ``_drive`` / ``_pull_then_run`` task ended. Its body reports the end itself (and
+        leaves ``_running``); a task cancelled before its first step never ran its body, so
+        its end is reported here, or the front would wait for the activation forever."""
+        if self._running.get(key) is not task:
+            return
+        del self._running[key]
+        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        self._done(key[0], key[1], key[2], exc or asyncio.CancelledError())
 
     async def _drive(self, key: _Key, agen: Any) -> None:
         """Run a generator method. Frames yielded within one event-loop turn leave as one
@@ -474,7 +679,7 @@ class Worker:
     def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
         frame = self._placed(peer, c, a, frame)
         try:
-            self._send(peer, "frame", {"c": c, "a": a, "f": frame})
+            self._send(peer, Frame(c, a, frame))
         except Exception as exc:  # a value the wire cannot carry fails the activation
             raise _Unsendable(f"a frame could not be sent to the front: {exc}") from exc
 
@@ -487,11 +692,12 @@ class Worker:
         frame: Any = None,
     ) -> None:
         """Say the activation ended; a coroutine's returned ``frame`` (not None) rides along,
-        one message instead of ``frame`` + ``done`` (the front applies it first)."""
+        one message instead of ``frame`` + ``done`` (the front applies it first). A failure
+        carries its type, message and formatted traceback (the front's NodeError gets it)."""
         if exc is None and frame is not None:
             try:
-                body = {"c": c, "a": a, "e": None, "f": self._placed(peer, c, a, frame)}
-                self._out.put_nowait((peer, encode_msg("done", body)))
+                msg = Done(c, a, self._placed(peer, c, a, frame))
+                self._out.put_nowait((peer, encode_msg(msg)))
             except _Unsendable as e:
                 exc = e
             except Exception as e:  # a value the wire cannot carry fails the activation
@@ -500,35 +706,22 @@ class Worker:
                 self._offload.pop((peer, c, a), None)
                 return
         self._offload.pop((peer, c, a), None)
-        err = None
-        if exc is not None:
-            err = {
-                "t": type(exc).__name__,
-                "m": str(exc),
-                "cancel": isinstance(exc, asyncio.CancelledError),
-            }
-        self._send(peer, "done", {"c": c, "a": a, "e": err})
+        if exc is None:
+            self._send(peer, Done(c, a))
+        elif isinstance(exc, asyncio.CancelledError):
+            self._send(peer, Done(c, a, None, type(exc).__name__, str(exc), True))
+        else:
+            tb = "".join(traceback.format_exception(exc))
+            self._send(peer, Done(c, a, None, type(exc).__name__, str(exc), False, tb))
 
 
-#: Field -> type of a ``run`` body (``s``, the session, is a str or None).
-_RUN_FIELDS: dict[str, type] = {
-    "c": str, "a": int, "n": str, "k": dict, "g": int, "q": int, "gr": str,
-}  # fmt: skip
-
-
-def _checked_run(body: Any) -> dict[str, Any]:
-    """``body`` if it is a well-formed ``run``; else TransportError (the message is dropped)."""
-    if not isinstance(body, dict):
-        raise TransportError(f"malformed run: a {type(body).__name__} body, not a dict")
-    for name, typ in _RUN_FIELDS.items():
-        value = body.get(name)
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise TransportError(f"malformed run: {name!r} must be a {typ.__name__}: {value!r:.80}")
-    if body.get("s") is not None and not isinstance(body["s"], str):
-        raise TransportError(f"malformed run: 's' must be a str or None: {body['s']!r:.80}")
-    if not all(isinstance(k, str) for k in body["k"]):
-        raise TransportError("malformed run: 'k' must map argument names (str) to values")
-    return body
+def _run_body(msg: Run) -> dict[str, Any]:
+    """A ``run`` as the dict the activation code works on; TransportError (the message is
+    dropped and counted as malformed) when an argument name is not a str."""
+    if not all(type(k) is str for k in msg.k):
+        raise ProtocolError("malformed run: 'k' must map argument names (str) to values",
+                            "malformed")  # fmt: skip
+    return msg._asdict()
 
 
 def run_worker(
@@ -541,6 +734,8 @@ def run_worker(
     heartbeat_interval: float = 1.0,
     drain_timeout: float = 30.0,
     parent_pid: int | None = None,
+    cluster_key: bytes | None = None,
+    owner: str | None = None,
 ) -> int:
     """Entry point of ``omniflow worker``: serve until SIGTERM or a ``stop`` message."""
 
@@ -554,6 +749,8 @@ def run_worker(
             heartbeat_interval=heartbeat_interval,
             drain_timeout=drain_timeout,
             parent_pid=parent_pid,
+            cluster_key=cluster_key,
+            owner=owner,
         )
         await worker.run()
 

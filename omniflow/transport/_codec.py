@@ -22,7 +22,10 @@ A message is a list of frames::
     3     tensor    ``[dtype name, shape, data]``; data is inline bytes or a frame index
     4     tuple     the items, as a msgpack array (so tuples come back as tuples)
     5     pickle    a pickled object, only with ``encode(pickle=True)`` and decoded only
-                    with ``decode(allow_pickle=True)`` (a trusted control plane)
+                    with ``decode(allow_pickle=True)`` (the worker protocol, once the
+                    message's MAC held); with ``pickle=True`` a value nested deeper than
+                    MAX_DEPTH rides as one pickle too
+    6     bigint    an int outside msgpack's 64-bit range: its two's-complement bytes
     ====  ========  ===================================================================
 
 Values of at least ``threshold`` bytes (64 KiB by default) travel as their own frame: ``encode``
@@ -83,6 +86,8 @@ _EXT_NDARRAY = 2
 _EXT_TENSOR = 3
 _EXT_TUPLE = 4
 _EXT_PICKLE = 5
+_EXT_BIGINT = 6
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _KEY_TYPES = (str, int, float, bytes, type(None))
 _BYTES_LIKE = (bytes, bytearray, memoryview)
@@ -131,19 +136,25 @@ def encode(
     return [header, *packer.buffers]
 
 
-def decode(frames: Sequence[Any], *, allow_pickle: bool = False) -> Any:
+def decode(frames: Sequence[Any], *, allow_pickle: bool = False, owned: bool = False) -> Any:
     """Decode the frames of one message into its body (see :func:`decode_message`)."""
-    return decode_message(frames, allow_pickle=allow_pickle).body
+    return decode_message(frames, allow_pickle=allow_pickle, owned=owned).body
 
 
-def decode_message(frames: Sequence[Any], *, allow_pickle: bool = False) -> Message:
+def decode_message(
+    frames: Sequence[Any], *, allow_pickle: bool = False, owned: bool = False
+) -> Message:
     """Decode ``[header, *buffers]`` into a :class:`Message`, rebuilding big values zero-copy.
+
+    ``owned=True`` copies big values out of the frames instead: arrays and tensors come back
+    writable and bytes as ``bytes``, like the sender's values (the worker protocol does this,
+    so a method gets the same kind of value in every placement).
 
     Raises :class:`~omniflow.CodecError` (and only that) for anything but a well-formed
     message of this wire version.
     """
     try:
-        return _decode(frames, allow_pickle)
+        return _decode(frames, allow_pickle, owned)
     except CodecError:
         raise
     except Exception as exc:  # untrusted input: every failure is a CodecError
@@ -186,8 +197,12 @@ class _Packer:
     def walk(self, obj: Any, depth: int) -> Any:
         cls = type(obj)
         if cls in _SCALARS:
+            if cls is int and not _INT_MIN <= obj <= _INT_MAX:
+                return _bigint(obj)
             return obj
         if depth >= MAX_DEPTH:
+            if self.pickle:
+                return self._pickled(obj)
             raise _Unsupported(f"nested deeper than {MAX_DEPTH} levels")
         if cls is dict or isinstance(obj, dict):
             out: dict[Any, Any] = {}
@@ -214,6 +229,8 @@ class _Packer:
         if isinstance(obj, _BYTES_LIKE):
             return self._bytes(obj)
         if isinstance(obj, (str, int, float)):  # subclasses: IntEnum, StrEnum, np.float64
+            if isinstance(obj, int) and not _INT_MIN <= obj <= _INT_MAX:
+                return self._pickled(obj) if self.pickle else _bigint(int(obj))
             return obj
         np = sys.modules.get("numpy")
         if np is not None:
@@ -225,14 +242,19 @@ class _Packer:
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(obj, torch)
         if self.pickle:
-            import pickle as _pickle
-
-            try:
-                payload = _pickle.dumps(obj, protocol=5)
-            except Exception as exc:
-                raise _Unsupported(f"cannot pickle {cls.__qualname__}: {exc}") from None
-            return msgpack.ExtType(_EXT_PICKLE, payload)
+            return self._pickled(obj)
         raise _Unsupported(f"values of type {cls.__module__}.{cls.__qualname__} are not supported")
+
+    def _pickled(self, obj: Any) -> Any:
+        import pickle as _pickle
+
+        try:
+            payload = _pickle.dumps(obj, protocol=5)
+        except RecursionError:
+            raise _Unsupported("nested too deeply to pickle") from None
+        except Exception as exc:
+            raise _Unsupported(f"cannot pickle {type(obj).__qualname__}: {exc}") from None
+        return msgpack.ExtType(_EXT_PICKLE, payload)
 
     def _out_of_band(self, view: memoryview) -> int:
         self.buffers.append(view)
@@ -277,10 +299,14 @@ class _Packer:
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([name, shape, data]))
 
 
+def _bigint(n: int) -> Any:
+    return msgpack.ExtType(_EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True))
+
+
 # --------------------------------------------------------------------------------- decoding
 
 
-def _decode(frames: Sequence[Any], allow_pickle: bool = False) -> Message:
+def _decode(frames: Sequence[Any], allow_pickle: bool = False, owned: bool = False) -> Message:
     first = frames[0] if len(frames) == 1 else None
     if (type(first) is bytes or type(first) is memoryview) and first[:3] == _PREFIX:
         # Fast path: a one-frame message (a small control message as received) unpacks
@@ -312,7 +338,7 @@ def _decode(frames: Sequence[Any], allow_pickle: bool = False) -> Message:
     oob = [_frame_view(frame) for frame in frames[1:]]
     unpacked = msgpack.unpackb(
         header[3:],
-        ext_hook=_ExtHook(oob, allow_pickle),
+        ext_hook=_ExtHook(oob, allow_pickle, owned),
         raw=False,
         strict_map_key=False,
         use_list=True,
@@ -340,18 +366,22 @@ def _frame_view(frame: Any) -> memoryview:
 class _ExtHook:
     """msgpack ext_hook that resolves frame indices against the received frames."""
 
-    __slots__ = ("allow_pickle", "frames")
+    __slots__ = ("allow_pickle", "frames", "owned")
 
-    def __init__(self, frames: list[memoryview], allow_pickle: bool = False) -> None:
+    def __init__(
+        self, frames: list[memoryview], allow_pickle: bool = False, owned: bool = False
+    ) -> None:
         self.frames = frames
         self.allow_pickle = allow_pickle
+        self.owned = owned
 
     def __call__(self, code: int, payload: bytes) -> Any:
         if code == _EXT_BUFFER:
             fields = msgpack.unpackb(payload)
             if not (isinstance(fields, list) and len(fields) == 2):
                 raise CodecError("malformed buffer: expected [frame index, nbytes]")
-            return self._data(fields[0], fields[1], "buffer")
+            data = self._data(fields[0], fields[1], "buffer")
+            return bytes(data) if self.owned else data
         if code == _EXT_NDARRAY:
             return self._ndarray(*self._array_payload(payload, "ndarray"))
         if code == _EXT_TENSOR:
@@ -367,6 +397,10 @@ class _ExtHook:
             import pickle as _pickle
 
             return _pickle.loads(payload)
+        if code == _EXT_BIGINT:
+            if not payload:
+                raise CodecError("malformed bigint: no bytes")
+            return int.from_bytes(payload, "big", signed=True)
         raise CodecError(f"unknown ext type {code}")
 
     def _frame(self, index: Any) -> memoryview:
@@ -399,7 +433,7 @@ class _ExtHook:
         if dtype.hasobject or dtype.fields is not None or dtype.subdtype or not dtype.itemsize:
             raise CodecError(f"malformed ndarray: dtype {dtype_str!r} is not allowed")
         buf = self._data(data, math.prod(shape) * dtype.itemsize, "ndarray")
-        if isinstance(buf, bytes):  # small: an owned, aligned, writable copy
+        if isinstance(buf, bytes) or self.owned:  # small (or asked): an owned, writable copy
             return np.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
         arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
         arr.flags.writeable = False
@@ -413,7 +447,7 @@ class _ExtHook:
         buf = self._data(data, math.prod(shape) * dtype.itemsize, "tensor")
         if len(buf) == 0:
             return torch.empty(shape, dtype=dtype)
-        if isinstance(buf, bytes):  # small: an owned, writable copy
+        if isinstance(buf, bytes) or self.owned:  # small (or asked): an owned, writable copy
             flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
         else:
             with warnings.catch_warnings():

@@ -545,3 +545,40 @@ def test_invalid_mutations_raise_graph_error(
         assert "graph 'rand'" in msg, (name, msg)
     # The valid original still parses: the mutation, not the generator, made the error.
     check_plan(of.parse(build(model, make_role)), model)
+
+
+def _plan_order(m: Model) -> list[str]:
+    """CONTRACT §2 plan order, recomputed from the model: breadth-first from the graph inputs,
+    the successors of each node (any node consuming one of its outputs, or a Placeholder)
+    visited by name, then the nodes no input reaches, by name."""
+    producers: dict[str, set[str]] = {p: {IN} for p in m.placeholders}
+    for n in m.nodes:
+        for f in n.outputs:
+            producers.setdefault(f, set()).add(n.name)
+    succ: dict[str, set[str]] = {IN: set()}
+    for n in m.nodes:
+        for grp in n.groups:
+            for f in grp:
+                for src in producers.get(f, ()):
+                    succ.setdefault(src, set()).add(n.name)
+    order: list[str] = []
+    seen = {IN}
+    frontier = [IN]
+    while frontier:
+        nxt: list[str] = []
+        for n in frontier:
+            for s in sorted(succ.get(n, ())):
+                if s not in seen:
+                    seen.add(s)
+                    order.append(s)
+                    nxt.append(s)
+        frontier = nxt
+    return order + sorted({n.name for n in m.nodes} - set(order))
+
+
+@SETTINGS
+@given(model=models())
+def test_plan_nodes_are_in_plan_order(make_role: RoleFactory, model: Model) -> None:
+    plan = of.parse(build(model, make_role))
+    assert list(plan.nodes) == _plan_order(model)
+    assert sorted(plan.nodes) == sorted(n.name for n in model.nodes)

@@ -17,7 +17,7 @@ from collections import Counter, deque
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,7 +28,15 @@ from hypothesis.stateful import (
 )
 
 import omniflow as of
-from omniflow.runtime._buckets import DEAD, FIRE, WAIT, Bucket, BucketSpec, FieldSpec
+from omniflow.runtime._buckets import (
+    DEAD,
+    FIRE,
+    WAIT,
+    Bucket,
+    BucketSpec,
+    FieldSpec,
+    quiescent_pick,
+)
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._ordering import StreamOrder
@@ -99,11 +107,74 @@ MIXED = of.Graph(
 )
 
 
+class _Src(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["tok", "voice", "w", "z"])
+    async def run(self, request: Any) -> Any:
+        yield {"tok": request}
+
+
+class _Alt(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["z"])
+    async def run(self, request: Any) -> Any:
+        return {"z": request}
+
+
+class _Tts(of.Role):
+    # A per-call constant from a node (activations park until it comes, or die with it).
+    @of.interface(inputs_or=[["tok", "voice"]], outputs=["audio"], latch=("voice",))
+    async def run(self, tok: Any, voice: Any) -> Any:
+        return {"audio": tok}
+
+
+class _Opt(of.Role):
+    # z has two producers and is optional (the AND rule's escape); w is critical.
+    @of.interface(inputs_or=[["w", "z"]], outputs=["o"], optional=("z",))
+    async def run(self, w: Any, z: Any) -> Any:
+        return {"o": w}
+
+
+class _Lp(of.Role):
+    # A loop whose outputs feed a collect and a join outside it (issue 18's shape).
+    @of.interface(inputs_or=[["w"], ["again"]], outputs=["again", "lo"])
+    async def run(self, **kw: Any) -> Any:
+        return {"lo": 1}
+
+
+class _Col(of.Role):
+    @of.interface(inputs_or=[["tok", "lo"]], outputs=["col"], collect=["lo"])
+    async def run(self, tok: Any, lo: Any) -> Any:
+        return {"col": lo}
+
+
+class _All(of.Role):
+    @of.interface(inputs_or=[["lo"]], outputs=["all"], activate_by_count={"lo": of.ALL})
+    async def run(self, lo: Any) -> Any:
+        return {"all": lo}
+
+
+LATCHED = of.Graph(
+    "latched",
+    roles={
+        "src": _Src(),
+        "alt": _Alt(),
+        "tts": _Tts(),
+        "opt": _Opt(),
+        "lp": _Lp(),
+        "col": _Col(),
+        "all": _All(),
+    },
+    inputs=[of.Placeholder("request")],
+    outputs=["audio", "o", "col", "all"],
+    max_iterations=20,
+)
+
+
 def _compiled() -> dict[str, Compiled]:
     fig3 = load_graph_module("fig3").graph
     return {
         "fig3": compile_plan(of.parse(fig3)),
         "mixed": compile_plan(of.parse(MIXED)),
+        "latched": compile_plan(of.parse(LATCHED)),
     }
 
 
@@ -146,6 +217,8 @@ class CallCoreMachine(RuleBasedStateMachine):
         self.running: list[Activation] = []
         #: Frames for the caller, in release order.
         self.emitted: list[tuple[str, Any, str, int]] = []
+        #: Warnings of the call seen so far.
+        self.warned: list[dict[str, str]] = []
         self.core.start({p: payload for p in self.c.plan.inputs})
         self._pump()
 
@@ -253,6 +326,21 @@ class CallCoreMachine(RuleBasedStateMachine):
             assert not self.running
 
     @invariant()
+    def warnings_name_a_dead_activation(self) -> None:
+        """Every warning names a node that gathers (a bucket) or latches, and one of its
+        fields; a warning is only ever added, never withdrawn."""
+        core = self.core
+        if core is None:
+            return
+        for w in core.warnings:
+            assert set(w) == {"node", "field", "message"}
+            spec = self.c.specs[w["node"]]
+            assert w["field"] in {f for g in spec.groups for f in g}
+            assert w["node"] in self.c.bucket_nodes or w["field"] in spec.latch
+        assert core.warnings[: len(self.warned)] == self.warned
+        self.warned = list(core.warnings)
+
+    @invariant()
     def caller_frames_in_seq_order(self) -> None:
         if self.core is None:
             return
@@ -283,7 +371,7 @@ class CallCoreMachine(RuleBasedStateMachine):
         assert not core.buckets and core.n_acts == 0 and not core.live.counts
         assert not core.to_run and not core.running
         event(f"calls: {min(self.calls, 4)}{'+' if self.calls >= 4 else ''}")
-        for ev in ("fire", "dead", "error", "cancel"):
+        for ev in ("fire", "dead", "error", "cancel", "warning"):
             n = self.seen[ev]
             event(f"{ev}: {min(n, 3)}{'+' if n >= 3 else ''}")
 
@@ -379,8 +467,10 @@ def _spec(*fields: tuple[str, tuple[str, ...], str, int | None]) -> BucketSpec:
     """Fields as (name, sources, mode, threshold); a single source makes a slot critical,
     except for count fields."""
     fs = tuple(
-        FieldSpec(name, srcs, mode, thr, len(srcs) == 1 and mode != "count")
-        for name, srcs, mode, thr in fields
+        FieldSpec(
+            name, srcs, mode, thr, len(srcs) == 1 and mode != "count", optional=name.endswith("?")
+        )
+        for name, srcs, mode, thr, *_ in fields
     )
     return BucketSpec(
         node="n.run",
@@ -400,6 +490,8 @@ PLAIN_C = ("y", ("C",), "plain", None)
 COLLECT_A = ("c", ("A",), "collect", None)
 COLLECT_AB = ("c", ("A", "B"), "collect", None)
 COUNT_ALL = ("t", ("A",), "count", None)
+OPT_AB = ("x?", ("A", "B"), "plain", None)
+OPT_COLLECT_A = ("c?", ("A",), "collect", None)
 COUNT_2 = ("t", ("A", "B"), "count", 2)
 
 #: (fields, arrivals as (field, value, sort key), ended sources, verdict, kwargs or reason).
@@ -411,15 +503,21 @@ TRUTH: list[tuple[Any, ...]] = [
     # plain, two sources: wait until the other path has settled (a second frame is an error)
     ((PLAIN_AB,), [("x", 1, 0)], "A", WAIT, None),
     ((PLAIN_AB,), [("x", 1, 0)], "AB", FIRE, {"x": 1}),
-    ((PLAIN_AB, PLAIN_C), [("y", 2, 0)], "ABC", FIRE, {"x": None, "y": 2}),
-    ((PLAIN_AB,), [], "AB", DEAD, "every input ended without a frame"),
+    # AND rule: a field all of whose paths ended empty kills the bucket, one path or many...
+    ((PLAIN_AB, PLAIN_C), [("y", 2, 0)], "ABC", DEAD, "input 'x' ended with no frame on any"),
+    # ... unless it is optional: then None ([] for collect)
+    ((OPT_AB, PLAIN_C), [("y", 2, 0)], "ABC", FIRE, {"x?": None, "y": 2}),
+    ((OPT_AB, PLAIN_C), [("x?", 1, 0), ("y", 2, 0)], "ABC", FIRE, {"x?": 1, "y": 2}),
+    ((OPT_COLLECT_A, PLAIN_C), [("y", 2, 0)], "AC", FIRE, {"c?": [], "y": 2}),
+    ((OPT_AB,), [], "AB", DEAD, "every input ended without a frame"),
+    ((PLAIN_AB,), [], "AB", DEAD, "input 'x' ended with no frame"),
     ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "AB", WAIT, None),
     ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "ABC", DEAD, "critical input 'y'"),
     # collect: all frames in production order (sort key), after every source ended
     ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "", WAIT, None),
     ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "A", FIRE, {"c": ["a", "b"]}),
     ((COLLECT_A,), [], "A", DEAD, "collected input 'c' ended with no frame"),
-    ((COLLECT_AB, PLAIN_C), [("y", 2, 0)], "ABC", FIRE, {"c": [], "y": 2}),
+    ((COLLECT_AB, PLAIN_C), [("y", 2, 0)], "ABC", DEAD, "input 'c' ended with no frame"),
     ((COLLECT_AB, PLAIN_C), [("c", 5, 0), ("y", 2, 0)], "AC", WAIT, None),
     # count ALL: every frame once the streams ended, possibly none, never DEAD on its own
     ((COUNT_ALL,), [("t", 1, (0,))], "", WAIT, None),
@@ -462,3 +560,50 @@ def test_bucket_add_refuses_frames_that_break_the_input_rules() -> None:
     # A refused frame is not stored.
     assert b.arrivals == 3
     assert b.evaluate(lambda _s: True) == (FIRE, {"x": 1, "t": [1, 2]})
+
+
+# ------------------------------------------------------------------ quiescent settling
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    edges=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=12),
+    n=st.integers(1, 5),
+)
+def test_quiescent_pick_never_settles_a_bucket_that_waits_on_one_not_waiting_back(
+    edges: list[tuple[int, int]], n: int
+) -> None:
+    """Buckets n0..n{n-1} (plan order), all keyed by the call's entry, each with one open
+    field ``f{i}`` fed by the nodes listed in ``edges`` (i waits on j for (i, j)). The pick
+    lies in a terminal strongly connected part of the waits-on graph, and is the earliest
+    such bucket in plan order."""
+    waits = {i: {j for a, j in edges if a == i and j != i and j < n} for i in range(n)}
+    buckets = []
+    for i in range(n):
+        feeders = frozenset(f"n{j}.run" for j in waits[i])
+        fs = FieldSpec(f"f{i}", ("src",), "plain", None, True)
+        spec = BucketSpec(
+            node=f"n{i}.run",
+            group=0,
+            root="<input>",
+            fields=(fs,),
+            by_field={fs.name: fs},
+            feeders={"src": feeders},
+            field_feeders={fs.name: feeders},
+            is_join=False,
+        )
+        buckets.append(Bucket(spec, ("<input>", 0, 0), (("<input>", 0, 0),)))
+    got = quiescent_pick(buckets)
+
+    def reach(i: int) -> set[int]:
+        seen, stack = {i}, [i]
+        while stack:
+            for j in waits[stack.pop()]:
+                if j not in seen:
+                    seen.add(j)
+                    stack.append(j)
+        return seen
+
+    terminal = [i for i in range(n) if all(i in reach(j) for j in reach(i))]
+    assert terminal, "every finite graph has a terminal strongly connected part"
+    assert got == terminal[0]

@@ -144,9 +144,9 @@ async def test_tensors_arrive_bit_identical_through_each_connector(
     else:
         assert all(s["same_object"] == [] for s in seen)
         assert all(s["pid"] != src["pid"] for s in seen)
-    # Zero-copy shm views of numpy arrays are read-only: a consumer cannot scribble on them.
-    if counter == "reads_shm":
-        assert all(s["readonly"] for n, s in zip(names, seen, strict=True) if n.startswith("np_"))
+    # Numpy arrays arrive writable in every placement (CONTRACT §5); shm views are mapped
+    # copy-on-write, so a consumer that writes never changes the producer's block.
+    assert not any(s["readonly"] for s in seen)
 
 
 async def test_default_threshold_offloads_only_big_values(runtime: Factory) -> None:
@@ -273,7 +273,7 @@ async def test_consumer_killed_mid_read_does_not_leak_the_block(
     rt = await runtime("dp_kill")
     before = await rt.pool_stats()
     call = rt.call("dp_kill", {"k": 2})
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 45  # a hang guard, not a speed claim
     while not marker.exists() or not marker.read_text():
         assert time.monotonic() < deadline, "the consumer never got its input"
         await asyncio.sleep(0.01)
@@ -301,7 +301,7 @@ async def test_producer_lost_before_a_zmq_pull_fails_the_consumer(runtime: Facto
     os.kill(pids["dp_hold"], signal.SIGSTOP)  # the consumer cannot pull yet
     try:
         call = rt.call("dp_kill", {"k": 1})
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 45  # a hang guard, not a speed claim
         while rt.stats()["data_plane_bytes"] == 0:  # the ref reached the front
             assert time.monotonic() < deadline, "the producer never produced"
             await asyncio.sleep(0.01)

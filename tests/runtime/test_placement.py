@@ -476,3 +476,119 @@ async def test_roles_setup_and_teardown_once_across_graphs(placement: str, tmp_p
     assert y2[1:] == y1[1:] and y1[1] == 1
     # ... and torn down exactly once, when the runtime closed.
     assert marker.read_text().splitlines() == ["teardown 0"]
+
+
+# ---------------------------------------------------------------- issues 10 and 18: semantics
+#
+# The graphs of semantics_graphs.py; the expected answers are the reference evaluator's
+# (test_regressions.py::test_semantics_graphs_match_the_reference).
+
+
+async def _call(rt: of.Runtime, graph: str, inputs: dict[str, Any]) -> tuple[of.Call, list[Any]]:
+    call = rt.call(graph, inputs)
+    frames = await asyncio.wait_for(_values(call), 30)
+    assert rt.stats() == ZERO
+    return call, frames
+
+
+async def _values(call: of.Call) -> list[Any]:
+    return [f.value async for f in call]
+
+
+async def test_join_beside_a_collect_of_the_same_source_fires_once(runtime: Factory) -> None:
+    """Issue 10, defect 1: s.run's frame keeps a.run's entry, so j.run gets y and s."""
+    from . import semantics_graphs as sm
+
+    rt = await runtime(sm.d1_collect, sm.d1_all, sm.d1_two_producers)
+    for name in ("sm_d1_collect", "sm_d1_all"):
+        call, got = await _call(rt, name, {"x": 1})
+        assert (call.status, call.errors, call.warnings, got) == ("ok", [], [], [["y1", ["y1"]]])
+    call, got = await _call(rt, "sm_d1_two", {"x": 1})
+    assert (call.status, got) == ("ok", [["a", "s1"]])
+
+
+async def test_collect_waits_for_buckets_upstream_on_a_loop(runtime: Factory) -> None:
+    """Issue 18: j.run collects e from both OR groups of m.run, whatever the loop does."""
+    from . import semantics_graphs as sm
+
+    rt = await runtime(sm.i18, sm.i18_all, sm.nested)
+    for name in ("sm_i18", "sm_i18_all"):
+        call, got = await _call(rt, name, {"x": 0})
+        assert (call.status, call.errors, got) == ("ok", [], [["e0", "e1"]])
+        call, got = await _call(rt, name, {"x": 2})
+        assert (call.status, got) == ("ok", [["e0x3", "e1", "e1.1", "e1.2"]])
+    call, got = await _call(rt, "sm_nested", {"x": 2})
+    assert call.status == "ok", call.errors
+    assert got == [["e0x3", "e1", "e1.1", "e1.2"], ["e0x2", "e1", "e1.1"], ["e0", "e1"]]
+
+
+async def test_late_frame_errors_fit_the_fields_mode(runtime: Factory) -> None:
+    """Issue 10, defect 3: a collect or ALL field re-entered on a loop after its bucket fired."""
+    from . import semantics_graphs as sm
+
+    rt = await runtime(sm.d3_collect, sm.d3_all)
+    for name, node, mode in (
+        ("sm_d3_collect", "d3col.run", "collect"),
+        ("sm_d3_all", "d3all.run", "ALL"),
+    ):
+        call, got = await _call(rt, name, {"x": 0})
+        assert call.status == "error" and got == [[1, 2]]
+        errs = [e for e in call.errors if e.kind == "error"]
+        assert errs and {(e.node, e.field) for e in errs} == {(node, "y")}
+        text = str(errs[0])
+        assert "already fired" in text and "loop" in text and mode in text
+        assert "Declare collect" not in text and "=None" not in text
+
+
+async def test_and_rule_optional_and_warnings(runtime: Factory) -> None:
+    from . import semantics_graphs as sm
+
+    rt = await runtime(sm.and_rule, sm.and_optional)
+    call, got = await _call(rt, "sm_and", {"x": 1})
+    assert (call.status, call.errors, got) == ("ok", [], [])
+    assert [(w["node"], w["field"]) for w in call.warnings] == [("andc.run", "q")]
+    assert "optional" in call.warnings[0]["message"]
+    call, got = await _call(rt, "sm_and", {"x": 2})
+    assert (call.status, call.warnings, got) == ("ok", [], [["p", "qa"]])
+    call, got = await _call(rt, "sm_and_optional", {"x": 1})
+    assert (call.status, call.warnings, got) == ("ok", [], [["p", None]])
+
+
+async def test_latch_pairs_one_value_with_every_frame(runtime: Factory) -> None:
+    from . import semantics_graphs as sm
+
+    rt = await runtime(sm.latch)
+    call, got = await _call(rt, "sm_latch", {"prompt": "a b c"})
+    assert (call.status, call.warnings) == ("ok", [])
+    assert sorted(got) == ["a/alto", "b/alto", "c/alto"]
+    call, got = await _call(rt, "sm_latch", {"prompt": "mute b c"})
+    assert (call.status, got) == ("ok", [])
+    assert [(w["node"], w["field"]) for w in call.warnings] == [("lttts.speak", "voice")] * 3
+
+
+async def test_session_node_runs_one_index_in_or_group_order(runtime: Factory) -> None:
+    from . import semantics_graphs as sm
+
+    rt = await runtime(sm.session_order)
+    call, got = await _call(rt, "sm_session_order", {"x": 3})
+    assert (call.status, got) == ("ok", ["a0", "b0", "a1", "b1", "a2", "b2"])
+
+
+# ---------------------------------------------------------------- values in every placement
+
+
+@pytest.mark.timeout(120)
+async def test_values_are_equal_and_writable_in_every_placement(runtime: Factory) -> None:
+    """Big numpy arrays (data plane and out-of-band frames), ints beyond 64 bits, lists nested
+    150 deep and bytes reach a method equal, of the same type and writable, whether they were
+    produced by another method or given by the caller, and come back to the caller the same."""
+    from . import value_graphs as vg
+
+    rt = await runtime(vg.made, vg.given)
+    for graph, inputs, n in [("values_made", {"n": 3}, 3), ("values_given", None, 5)]:
+        out = await rt.run(graph, inputs if inputs is not None else {"v": vg.values(5)})
+        [rep] = out["report"]
+        assert rep == {"keys": True, **{k: (True, True) for k in vg.values(0)}}, rep
+        [back] = out["back"]
+        assert vg.report(back) == rep  # the caller's copy too
+        assert back["n"] == n

@@ -210,9 +210,28 @@ def test_depth_limit() -> None:
         encode(cyclic)
 
 
-def test_integer_overflow_is_a_codec_error() -> None:
-    with pytest.raises(CodecError):
-        encode(2**64)
+@pytest.mark.parametrize("n", [2**64, -(2**63) - 1, 2**200, -(2**200), 2**64 - 1, -(2**63)])
+def test_ints_beyond_64_bits_round_trip(n: int) -> None:
+    assert decode(encode({"n": n, "l": [n, (n,)]})) == {"n": n, "l": [n, (n,)]}
+
+
+def test_nesting_deeper_than_the_walker_needs_pickle() -> None:
+    deep: list[Any] = []
+    cur = deep
+    for _ in range(200):
+        cur.append([])
+        cur = cur[0]
+    with pytest.raises(CodecError, match="deeper"):
+        encode(deep)
+    assert decode(encode(deep, pickle=True), allow_pickle=True) == deep
+
+
+def test_owned_decoding_gives_writable_arrays_and_bytes() -> None:
+    arr = np.arange(100_000, dtype="f8")
+    frames = encode({"a": arr, "b": b"x" * 100_000})
+    out = decode(frames, owned=True)
+    assert out["a"].flags.writeable and not np.shares_memory(out["a"], arr)
+    assert type(out["b"]) is bytes and out["b"] == b"x" * 100_000
 
 
 def test_codec_error_is_a_transport_error_and_pickles() -> None:

@@ -1,0 +1,320 @@
+"""The worker protocol: one small immutable type per message the processes say to each other.
+
+    front -> worker                            worker -> front
+    Hello  (front, interval)                   Ready  (replica, roles, pid)
+    Run    (c, a, n, k, s, g, q, gr,           Frame  (c, a, f)            (any number)
+            off, th, conn)                     Frames (c, a, fs)           (several, in order)
+    Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb)
+    Release (refs)   EndCall (c)               Heartbeat ()                (every interval)
+    SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire)
+    StatsRequest (r)   CloseSession (s)
+    Stop ()                                    Bye ()  (leaving; repeated while it drains)
+    Bye ()     (answer to the worker's bye)        MetaCall (r, op, args)     (front-hosted
+    MetaReply (r, v, e)                                                   pool metadata)
+    MetaNotify (p, s, keys)  (pages published in a chain the worker's pool subscribed to)
+
+    consumer worker -> producer worker (the zmq connector, on the producer's endpoint)
+    Pull (r, h)                                Pulled (r, data)  or  PullFailed (r, error)
+
+``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
+``g`` OR group, ``q`` SeqId index, ``gr`` graph; ``off`` outputs to put in the worker's pool,
+``th`` the front's offload threshold (None: the default), ``conn`` source node -> connector.
+A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front applies it
+first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
+cancellation, and the formatted traceback ``tb``.
+
+On the wire a message is sealed (``_auth``: an HMAC over every frame, checked before anything
+is decoded) around the codec's envelope: ``kind`` and the message's fields as a msgpack array
+in declaration order. Field values that are not plain data (a frame's objects, a DataRef) are
+pickled, and are unpickled only once the MAC held. ``decode_msg`` checks the kind and every
+field's type and raises ``ProtocolError`` (with ``reason`` "malformed" or "unknown_kind") for
+anything else; receivers drop such a message, count it and log it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from omniflow._exceptions import TransportError
+from omniflow.transport._codec import Buffer, decode_message, encode
+
+__all__ = [
+    "MESSAGES",
+    "Bye",
+    "Cancel",
+    "CloseSession",
+    "Done",
+    "EndCall",
+    "Frame",
+    "Frames",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "MetaCall",
+    "MetaNotify",
+    "MetaReply",
+    "ProtocolError",
+    "Pull",
+    "PullFailed",
+    "Pulled",
+    "Ready",
+    "Release",
+    "Run",
+    "SourceLost",
+    "StatsReply",
+    "StatsRequest",
+    "Stop",
+    "decode_msg",
+    "encode_msg",
+    "kind_of",
+]
+
+_N = type(None)
+_ANY = (object,)
+
+
+class ProtocolError(TransportError):
+    """A message that authenticated but is not one this protocol knows (``reason`` says how)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Hello(NamedTuple):
+    front: str
+    interval: float
+
+
+class Ready(NamedTuple):
+    replica: str
+    roles: list[str]
+    pid: int
+
+
+class Run(NamedTuple):
+    c: str
+    a: int
+    n: str
+    k: dict[str, Any]
+    s: str | None
+    g: int
+    q: int
+    gr: str
+    off: list[str] | None = None
+    th: int | None = None
+    conn: dict[str, str] | None = None
+
+
+class Cancel(NamedTuple):
+    c: str
+    a: int
+
+
+class Frame(NamedTuple):
+    c: str
+    a: int
+    f: Any
+
+
+class Frames(NamedTuple):
+    c: str
+    a: int
+    fs: list[Any]
+
+
+class Done(NamedTuple):
+    c: str
+    a: int
+    f: Any = None
+    et: str | None = None
+    em: str | None = None
+    cancel: bool = False
+    tb: str | None = None
+
+
+class Release(NamedTuple):
+    refs: list[Any]
+
+
+class EndCall(NamedTuple):
+    c: str
+
+
+class SourceLost(NamedTuple):
+    addr: str
+    pid: int
+
+
+class StatsRequest(NamedTuple):
+    r: int
+
+
+class StatsReply(NamedTuple):
+    r: int
+    replica: str
+    pid: int
+    plane: dict[str, int]
+    wire: dict[str, int]
+
+
+class CloseSession(NamedTuple):
+    s: str
+
+
+class Stop(NamedTuple):
+    """No fields."""
+
+
+class Bye(NamedTuple):
+    """No fields."""
+
+
+class Heartbeat(NamedTuple):
+    """No fields."""
+
+
+class Pull(NamedTuple):
+    r: int
+    h: Any
+
+
+class Pulled(NamedTuple):
+    r: int
+    data: Any
+
+
+class PullFailed(NamedTuple):
+    r: int
+    error: str
+
+
+class MetaCall(NamedTuple):
+    """A worker's call of the Params Pools' metadata hosted by its front (``kv._hosted``)."""
+
+    r: int
+    op: str
+    args: list[Any]
+
+
+class MetaReply(NamedTuple):
+    """The front's answer to ``MetaCall`` ``r``: its value, or the error ``e``."""
+
+    r: int
+    v: Any
+    e: str | None = None
+
+
+class MetaNotify(NamedTuple):
+    """Pages ``keys`` were published in session ``s``'s chain of pool ``p`` (one batch)."""
+
+    p: str
+    s: str | None
+    keys: list[str]
+
+
+#: message type -> (kind, allowed types of each field, in order).
+_SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
+    Hello: ("hello", ((str,), (float, int))),
+    Ready: ("ready", ((str,), (list,), (int,))),
+    Run: (
+        "run",
+        (
+            (str,),
+            (int,),
+            (str,),
+            (dict,),
+            (str, _N),
+            (int,),
+            (int,),
+            (str,),
+            (list, _N),
+            (int, _N),
+            (dict, _N),
+        ),
+    ),
+    Cancel: ("cancel", ((str,), (int,))),
+    Frame: ("frame", ((str,), (int,), _ANY)),
+    Frames: ("frames", ((str,), (int,), (list,))),
+    Done: ("done", ((str,), (int,), _ANY, (str, _N), (str, _N), (bool,), (str, _N))),
+    Release: ("release", ((list,),)),
+    EndCall: ("end_call", ((str,),)),
+    SourceLost: ("source_lost", ((str,), (int,))),
+    StatsRequest: ("stats", ((int,),)),
+    StatsReply: ("stats_reply", ((int,), (str,), (int,), (dict,), (dict,))),
+    CloseSession: ("close_session", ((str,),)),
+    Stop: ("stop", ()),
+    Bye: ("bye", ()),
+    Heartbeat: ("heartbeat", ()),
+    Pull: ("pull", ((int,), _ANY)),
+    Pulled: ("pulled", ((int,), _ANY)),
+    PullFailed: ("pull_failed", ((int,), (str,))),
+    MetaCall: ("meta_call", ((int,), (str,), (list,))),
+    MetaReply: ("meta_reply", ((int,), _ANY, (str, _N))),
+    MetaNotify: ("meta_notify", ((str,), (str, _N), (list,))),
+}
+
+
+Message = (
+    Hello | Ready | Run | Cancel | Frame | Frames | Done | Release | EndCall | SourceLost
+    | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled
+    | PullFailed | MetaCall | MetaReply | MetaNotify
+)  # fmt: skip
+#: kind -> (message type, allowed types of each field).
+MESSAGES: dict[str, tuple[Any, tuple[tuple[type, ...], ...]]] = {
+    kind: (cls, types) for cls, (kind, types) in _SPEC.items()
+}
+#: kind -> (type, fewest fields, most fields, (field index, exact types allowed) to check).
+_CHECKS: dict[str, tuple[Any, int, int, tuple[tuple[int, tuple[type, ...]], ...]]] = {
+    kind: (
+        cls,
+        len(types) - len(cls._field_defaults),
+        len(types),
+        tuple((i, t) for i, t in enumerate(types) if t is not _ANY),
+    )
+    for kind, (cls, types) in MESSAGES.items()
+}
+_KIND: dict[type, str] = {cls: kind for cls, (kind, _types) in _SPEC.items()}
+
+
+def kind_of(msg: Message) -> str:
+    """The wire kind of ``msg``."""
+    return _KIND[type(msg)]
+
+
+def encode_msg(msg: Message) -> list[Buffer]:
+    """The envelope of ``msg`` (not yet sealed: the connection's writer seals it)."""
+    return encode(list(msg), kind=_KIND[type(msg)], pickle=True)
+
+
+def decode_msg(frames: list[Any]) -> Message:
+    """The message in already authenticated ``frames``; ProtocolError for anything else."""
+    try:
+        kind, body = decode_message(frames, allow_pickle=True, owned=True)
+    except TransportError as exc:
+        raise ProtocolError(str(exc), "malformed") from None
+    except Exception as exc:  # an authenticated pickle that fails to load
+        raise ProtocolError(
+            f"malformed message: {type(exc).__name__}: {exc}", "malformed"
+        ) from None
+    check = _CHECKS.get(kind)
+    if check is None:
+        raise ProtocolError(f"unknown message kind {kind!r:.40}", "unknown_kind")
+    cls, fewest, most, fields = check
+    if type(body) is not list or not fewest <= len(body) <= most:
+        raise ProtocolError(
+            f"malformed {kind}: {len(body) if type(body) is list else 'no'} fields where "
+            f"{most} are expected",
+            "malformed",
+        )
+    n = len(body)
+    for i, allowed in fields:
+        # Exact types: what msgpack decodes is never a subclass, and a bool is not an int.
+        if i < n and type(body[i]) not in allowed:
+            raise ProtocolError(
+                f"malformed {kind}: {cls._fields[i]!r} is a {type(body[i]).__name__}, "
+                f"expected {' or '.join(t.__name__ for t in allowed)}",
+                "malformed",
+            )
+    msg: Message = cls(*body)
+    return msg

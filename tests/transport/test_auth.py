@@ -1,0 +1,173 @@
+"""Sealed messages (HMAC over every frame, per-sender counters) and the typed protocol."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omniflow import TransportError
+from omniflow.transport import encode
+from omniflow.transport._auth import (
+    KEY_ENV,
+    TAG_BYTES,
+    Opener,
+    Sealer,
+    _HmacSha256,
+    load_key_file,
+    resolve_key,
+)
+from omniflow.transport._protocol import (
+    MESSAGES,
+    Cancel,
+    Done,
+    Frame,
+    Hello,
+    ProtocolError,
+    Run,
+    Stop,
+    decode_msg,
+    encode_msg,
+)
+
+KEY = b"k" * 32
+_FRAMES = st.lists(st.binary(max_size=64), min_size=1, max_size=4)
+
+
+@given(_FRAMES)
+def test_a_sealed_message_opens_to_its_frames(frames: list[bytes]) -> None:
+    sealed = Sealer(KEY).seal(frames)
+    assert len(sealed) == len(frames) and len(sealed[0]) == TAG_BYTES + len(frames[0])
+    assert [bytes(f) for f in Opener(KEY).open(sealed) or []] == frames
+
+
+@given(_FRAMES, st.data())
+def test_any_change_to_a_sealed_message_is_refused(frames: list[bytes], data: Any) -> None:
+    sealed = [bytes(f) for f in Sealer(KEY).seal(frames)]
+    i = data.draw(st.integers(0, len(sealed) - 1))
+    how = data.draw(st.sampled_from(["flip", "cut", "grow", "drop", "add", "swap"]))
+    bad = list(sealed)
+    if how == "flip" and bad[i]:
+        j = data.draw(st.integers(0, len(bad[i]) - 1))
+        bad[i] = bad[i][:j] + bytes([bad[i][j] ^ 1]) + bad[i][j + 1 :]
+    elif how == "cut" and bad[i]:
+        bad[i] = bad[i][:-1]
+    elif how == "grow":
+        bad[i] = bad[i] + b"\0"
+    elif how == "drop" and len(bad) > 1 and i > 0:
+        del bad[i]
+    elif how == "add":
+        bad.append(b"")
+    elif how == "swap" and len(bad) > 2 and bad[1] != bad[-1]:  # two buffer frames
+        bad[1], bad[-1] = bad[-1], bad[1]
+    else:
+        return
+    opener = Opener(KEY)
+    assert opener.open(bad) is None
+    assert opener.stats.dropped["bad_mac"] == 1 and opener.stats.accepted == 0
+
+
+@given(st.binary(max_size=200), st.binary(max_size=300))
+def test_the_mac_is_hmac_sha256(key: bytes, data: bytes) -> None:
+    mac = _HmacSha256(key).copy()
+    mac.update(data[:7])
+    mac.update(data[7:])
+    assert mac.digest() == hmac.new(key, data, hashlib.sha256).digest()
+
+
+def test_a_wrong_key_and_a_missing_tag_are_refused() -> None:
+    opener = Opener(KEY)
+    assert opener.open(Sealer(b"w" * 32).seal([b"x"])) is None
+    assert opener.open([b"x"]) is None
+    assert opener.open([b"", b"x"]) is None
+    assert opener.stats.dropped["bad_mac"] == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), max_size=40))
+def test_replays_and_reorders_are_refused_per_sender(plan: list[tuple[int, int]]) -> None:
+    """A model of the replay rule: from each sender, only counters above the last accepted."""
+    senders = [Sealer(KEY) for _ in range(3)]
+    sent: list[list[list[Any]]] = [[], [], []]
+    opener = Opener(KEY)
+    last = [0, 0, 0]
+    for who, back in plan:
+        # Either a fresh message, or one sent earlier by that sender (``back`` steps back).
+        if back == 0 or back > len(sent[who]):
+            msg = senders[who].seal([b"m"])
+            sent[who].append(msg)
+            index = len(sent[who])
+        else:
+            index = len(sent[who]) - back + 1
+            msg = sent[who][index - 1]
+        expected = index > last[who]
+        assert (opener.open(msg) is not None) == expected
+        if expected:
+            last[who] = index
+    assert opener.stats.accepted + opener.stats.dropped["replay"] == len(plan)
+
+
+def test_cluster_keys_come_from_the_argument_the_env_or_a_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    key, generated = resolve_key()
+    assert generated and len(key) == 64
+    assert resolve_key("x" * 16) == (b"x" * 16, False)
+    with pytest.raises(TransportError, match="at least 16"):
+        resolve_key("short")
+    with pytest.raises(TransportError, match=KEY_ENV):
+        resolve_key(generate=False)
+    monkeypatch.setenv(KEY_ENV, "e" * 20)
+    assert resolve_key() == (b"e" * 20, False)
+    path = tmp_path / "key"
+    path.write_text("f" * 32 + "\n")
+    assert load_key_file(path) == b"f" * 32
+    with pytest.raises(TransportError, match="cannot read"):
+        load_key_file(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Hello("front-1", 0.5),
+        Run("c", 1, "n.run", {"x": (1, 2)}, None, 0, 3, "g"),
+        Run("c", 1, "n.run", {}, "s", 1, 0, "g", ["y"], 1024, {"a.b": "shm"}),
+        Cancel("c", 2),
+        Frame("c", 2, {"y": [1.5]}),
+        Done("c", 2, None, "ValueError", "boom", False, "Traceback ..."),
+        Stop(),
+    ],
+)
+def test_every_message_round_trips(msg: Any) -> None:
+    assert decode_msg(encode_msg(msg)) == msg
+
+
+_WRONG = [
+    ("run", ["c", "1", "n", {}, None, 0, 0, "g"], "'a' is a str"),
+    ("run", ["c", True, "n", {}, None, 0, 0, "g"], "'a' is a bool"),
+    ("run", ["c", 1, "n", {}, None, 0], "6 fields"),
+    ("cancel", ["c", 1, 2], "3 fields"),
+    ("done", ["c", 1, None, None, None, 1], "'cancel' is a int"),
+    ("hello", {"front": "f"}, "no fields"),
+    ("launch", [], "unknown message kind"),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "match"), _WRONG)
+def test_messages_of_the_wrong_shape_are_protocol_errors(kind: str, body: Any, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match) as info:
+        decode_msg(encode(body, kind=kind))
+    assert info.value.reason == ("unknown_kind" if kind == "launch" else "malformed")
+
+
+def test_every_kind_is_one_type() -> None:
+    kinds = list(MESSAGES)
+    assert len(kinds) == len(set(kinds)) == len({cls for cls, _ in MESSAGES.values()})
+    for cls, types in MESSAGES.values():
+        assert len(cls._fields) == len(types)
