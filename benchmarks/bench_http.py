@@ -169,7 +169,7 @@ class _RawConnection:
         self.reader, self.writer = reader, writer
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        head = f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-length: {len(body)}\r\n\r\n"
+        head = f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {len(body)}\r\n\r\n"
         self.writer.write(head.encode() + body)
         raw = await self.reader.readuntil(b"\r\n\r\n")
         status = int(raw.split(b" ", 2)[1])

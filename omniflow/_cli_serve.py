@@ -3,6 +3,8 @@
     $ omniflow serve graphs/chat.py                          # http://127.0.0.1:8000
     $ omniflow serve graphs/fig3.py graphs/chat.py --port 0  # a free port, printed at start
     $ OMNIFLOW_API_KEY=s3cret omniflow serve graphs/chat.py --max-inflight 64
+    $ omniflow serve graphs/chat.py --host 0.0.0.0 --allowed-host api.example.com \
+          --max-body-mb 64 --session-ttl 600 --log-format json
 
 Prints ``omniflow serve: serving <graphs> on http://HOST:PORT`` on stdout once it accepts
 connections. SIGTERM or Ctrl-C drains (new calls get 503, in-flight ones get
@@ -58,6 +60,23 @@ def _seconds(text: str) -> float:
     if not s >= 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return s
+
+
+def _positive_seconds(text: str) -> float:
+    s = _seconds(text)
+    if s <= 0 or s == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return s
+
+
+def _megabytes(text: str) -> float:
+    try:
+        mb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB") from None
+    if not 0 <= mb < 2**20:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 MiB, got {text}")
+    return mb
 
 
 def _placement(text: str) -> str | dict[str, Any]:
@@ -139,16 +158,116 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument(
         "--registry", type=_registry, metavar="URL", help="service registry, redis://host:port/db"
     )
+    p.add_argument(
+        "--cluster-key-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the key that authenticates every message between processes and "
+        "every registry record (default: $OMNIFLOW_CLUSTER_KEY, else one generated for the "
+        "workers this server spawns; hand-started workers need the same key)",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="server log level")
     p.add_argument("--access-log", action="store_true", help="log one line per request")
+    _add_limit_options(p)
     p.set_defaults(handler=run)
+
+
+# -- server limits, Host checks, sessions, logging (CONTRACT §4) -----------------------------
+
+
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits and request checks")
+    g.add_argument(
+        "--max-body-mb",
+        type=_megabytes,
+        default=16.0,
+        metavar="MB",
+        help="largest request body in MiB; larger ones get 413 before they are read (default: 16)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        metavar="S",
+        help="close a connection whose request headers take longer than S (default: 10)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="answer 408 when a request body takes longer than S to arrive (default: 60)",
+    )
+    g.add_argument(
+        "--idle-timeout",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="S",
+        help="close a connection idle for S between requests (default: 5)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="open connections; at N a new one evicts the oldest idle one, or gets 503 when "
+        "none is idle (default: 1024)",
+    )
+    g.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host is NAME (repeatable; '*' any). Default: the "
+        "loopback names when bound to loopback, the bound address otherwise",
+    )
+    g.add_argument(
+        "--session-ttl",
+        type=_positive_seconds,
+        metavar="S",
+        help="close sessions idle for S seconds (default: the Runtime's)",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text lines, or one JSON object per line (default: text)",
+    )
+
+
+def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
+    """The Host names served when bound to ``bind``: loopback names for a loopback bind, the
+    bound address for a specific one, any (with a warning) for a wildcard bind without
+    ``--allowed-host``; plus ``extra``."""
+    from omniflow.serve._limits import LOOPBACK_HOSTS, is_loopback
+
+    hosts = list(LOOPBACK_HOSTS)
+    if bind.strip("[]") in ("0.0.0.0", "::", ""):
+        if not extra:
+            print(
+                f"omniflow serve: bound to {bind} with no --allowed-host: any Host header is "
+                "answered (name the hosts clients use with --allowed-host to guard against "
+                "DNS rebinding)",
+                file=sys.stderr,
+            )
+            return ["*"]
+    elif not is_loopback(bind):
+        hosts.append(bind.strip("[]").lower())
+    return hosts + [h.lower() for h in extra]
 
 
 def run(args: argparse.Namespace) -> int:
     from omniflow.runtime import Deploy
     from omniflow.serve import create_app, serve
+    from omniflow.serve._limits import Limits
 
     placement = Deploy(args.placement) if isinstance(args.placement, dict) else args.placement
+    if args.cluster_key_file is not None:
+        from omniflow.transport._auth import KEY_ENV, load_key_file
+
+        # Through this process's environment (never argv): the Runtime reads it there and
+        # hands it to the workers it spawns.
+        os.environ[KEY_ENV] = load_key_file(args.cluster_key_file).decode()
     app = create_app(
         args.targets,
         max_inflight=args.max_inflight,
@@ -156,13 +275,23 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         placement=placement,
         registry=args.registry,
+        session_ttl=args.session_ttl,
+        limits=Limits(
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            idle_timeout=args.idle_timeout,
+            max_connections=args.max_connections,
+        ),
+        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
     )
     names = ", ".join(app.state.omniflow.runtime.plans)
 
     def announce(url: str) -> None:
         print(f"omniflow serve: serving {names} on {url}", flush=True)
-        auth = " (API key required)" if args.api_key else ""
-        print(f"  try: curl {url}/v1/graphs{auth}", file=sys.stderr, flush=True)
+        if args.log_format == "text":  # stderr holds only JSON lines otherwise
+            auth = " (API key required)" if args.api_key else ""
+            print(f"  try: curl {url}/v1/graphs{auth}", file=sys.stderr, flush=True)
 
     return serve(
         app,
@@ -171,4 +300,5 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         announce=announce,
+        log_format=args.log_format,
     )

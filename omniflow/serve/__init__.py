@@ -8,8 +8,12 @@
     _state    admission (max in-flight, draining) and lifecycle of one app
     _stream   ASGI responses that run a call (NDJSON, JSON) and cancel it on disconnect
     _openai   /v1/chat/completions and /v1/models for graphs that opt in
-    _metrics  /metrics in Prometheus text format
-    _app      create_app: the routes, the API-key guard, the lifespan
+    _metrics  /metrics through prometheus_client
+    _limits   the server's limits, their defaults, the Host/Origin rules
+    _guard    ASGI middleware: Host, Origin, API key, body size and time, status counts
+    _conn     uvicorn's h11 protocol with idle/header timeouts and the connection cap
+    _logging  text or JSON log lines; node errors of served calls with their tracebacks
+    _app      create_app: the routes, the lifespan
     _server   uvicorn with drain-first SIGTERM handling
 """
 

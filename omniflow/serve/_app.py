@@ -10,15 +10,21 @@
                                        stream false: {"outputs": {field: [values]}, "status",
                                        "errors"}
     GET  /healthz                    {"status": "ok"} (503 {"status": "draining"} at shutdown)
+    GET  /readyz                     {"status": "ready"}, or 503 {"status": "unready",
+                                       "roles": [roles without a live replica]}
+    DELETE /v1/sessions/{id}         close a session (its GlobalParameters): 204
     GET  /metrics                    Prometheus text format 0.0.4
     GET  /v1/models                  OpenAI: the graphs that opted in to chat (see _openai)
     POST /v1/chat/completions        OpenAI: chat completion, streaming or not
 
 Errors are JSON ``{"error": message}`` (OpenAI's shape on the two OpenAI routes): 400 a body
-that is not a JSON object of ``inputs`` / ``session`` / ``stream``, 401 no or wrong API key,
-404 an unknown graph or route, 422 a missing or unknown input, 429 more than ``max_inflight``
-calls (with ``Retry-After``), 503 shutting down. Values in ``inputs`` and in frames use the
-JSON encoding of ``_codec`` (``{"$bytes": ...}``, ``{"$tensor": ...}``).
+that is not a JSON object of ``inputs`` / ``session`` / ``stream`` / ``timeout`` (or holds NaN or
+an infinity), 401 no or wrong API key, 403 a Host or Origin not served (``_guard``), 404 an
+unknown graph or route, 408 a body slower than ``body_timeout``, 413 a body over
+``max_body_bytes``, 422 a missing or unknown input, 429 more than ``max_inflight`` calls (with
+``Retry-After``; admission happens before the body is read), 503 shutting down. Values in
+``inputs`` and in frames use the JSON encoding of ``_codec`` (``{"$bytes": ...}``,
+``{"$tensor": ...}``).
 
 The app's lifespan starts the Runtime (role setup) and, at shutdown, drains: no new calls
 (503), in-flight calls get ``drain_timeout`` seconds, the rest are cancelled, then the Runtime
@@ -29,7 +35,7 @@ listening, so that clients see 503s rather than refused connections (see ``_serv
 from __future__ import annotations
 
 import contextlib
-import hmac
+import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -41,7 +47,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omniflow._exceptions import InputError, OmniflowError
 from omniflow.dsl import Graph
@@ -49,6 +54,8 @@ from omniflow.plan import load_graphs
 from omniflow.runtime import Runtime
 from omniflow.serve import _openai
 from omniflow.serve._codec import ValueDecodingError, loads
+from omniflow.serve._guard import Guard
+from omniflow.serve._limits import LOOPBACK_HOSTS, Limits, bad_session
 from omniflow.serve._metrics import CONTENT_TYPE, render
 from omniflow.serve._state import ServeState
 from omniflow.serve._stream import CallResponse, JsonCallResponse, NdjsonCallResponse
@@ -62,10 +69,7 @@ DEFAULT_DRAIN_TIMEOUT = 30.0
 GraphSource = Runtime | Graph | str | os.PathLike[str]
 
 #: Keys a call body may hold.
-_CALL_KEYS = ("inputs", "session", "stream")
-#: Paths answered without an API key.
-_OPEN_PATHS = frozenset({"/healthz"})
-_OPENAI_PREFIXES = ("/v1/chat/", "/v1/models")
+_CALL_KEYS = ("inputs", "session", "stream", "timeout")
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -93,11 +97,27 @@ async def list_graphs(request: Request) -> Response:
 
 async def call_graph(request: Request) -> Response | CallResponse:
     state = _state(request)
-    rt = state.runtime
     name = request.path_params["name"]
-    plan = rt.plans.get(name)
-    if plan is None:
-        return error(404, f"unknown graph '{name}'; this server serves {sorted(rt.plans)}")
+    if name not in state.runtime.plans:
+        plans = sorted(state.runtime.plans)
+        return error(404, f"unknown graph '{name}'; this server serves {plans}")
+    # Admission before the body is read: a refused client costs no body bytes.
+    refused = state.admit()
+    if refused is not None:
+        status, _reason, message = refused
+        return error(status, message, headers={"retry-after": "1"})
+    response: Response | CallResponse | None = None
+    try:
+        response = await _start_call(request, state, name)
+    finally:
+        if not isinstance(response, CallResponse):
+            state.release()
+    return response
+
+
+async def _start_call(request: Request, state: ServeState, name: str) -> Response | CallResponse:
+    rt = state.runtime
+    plan = rt.plans[name]
     example = '{"inputs": {' + ", ".join(f'"{i}": ...' for i in plan.inputs) + "}}"
     try:
         body = loads(await request.body())
@@ -112,17 +132,21 @@ async def call_graph(request: Request) -> Response | CallResponse:
     if not isinstance(inputs, dict):
         return error(400, f"'inputs' must be an object of Placeholder name -> value: {example}")
     session = body.get("session")
-    if session is not None and not isinstance(session, str):
-        return error(400, f"'session' must be a string or null, got {session!r}")
+    problem = bad_session(session)
+    if problem is not None:
+        return error(400, problem)
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         return error(400, f"'stream' must be true or false, got {stream!r}")
-    refused = state.admit()
-    if refused is not None:
-        status, _reason, message = refused
-        return error(status, message, headers={"retry-after": "1"})
+    timeout = body.get("timeout")
+    options: dict[str, Any] = {}
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            return error(400, f"'timeout' must be a number of seconds > 0, got {timeout!r}")
+        assert math.isfinite(timeout)  # loads rejects NaN and infinities
+        options["timeout"] = float(timeout)
     try:
-        call = rt.call(name, inputs, session=session)
+        call = rt.call(name, inputs, session=session, **options)
     except InputError as exc:
         return error(422, str(exc))
     state.enter(call)
@@ -131,11 +155,32 @@ async def call_graph(request: Request) -> Response | CallResponse:
     return JsonCallResponse(state, call, plan.outputs)
 
 
+async def close_session(request: Request) -> Response:
+    """``DELETE /v1/sessions/{id}``: wait for the session's queued calls, free what it holds."""
+    await _state(request).runtime.close_session(request.path_params["session"])
+    return Response(status_code=204)
+
+
 async def healthz(request: Request) -> Response:
     state = _state(request)
     if state.draining:
         return JSONResponse({"status": state.status.value}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+def unready_roles(rt: Runtime) -> list[str]:
+    """Roles with no live replica (none for roles that run in this process)."""
+    return rt.readiness()
+
+
+async def readyz(request: Request) -> Response:
+    state = _state(request)
+    if state.draining:
+        return JSONResponse({"status": state.status.value, "roles": []}, status_code=503)
+    roles = unready_roles(state.runtime)
+    if roles:
+        return JSONResponse({"status": "unready", "roles": roles}, status_code=503)
+    return JSONResponse({"status": "ready"})
 
 
 async def metrics(request: Request) -> Response:
@@ -148,81 +193,27 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
         return error(405, f"{request.method} is not allowed on {request.url.path}")
-    routes = "GET /v1/graphs, POST /v1/graphs/{name}/call, GET /healthz, GET /metrics"
+    routes = (
+        "GET /v1/graphs, POST /v1/graphs/{name}/call, DELETE /v1/sessions/{id}, GET /healthz, "
+        "GET /readyz, GET /metrics"
+    )
     return error(404, f"no route {request.method} {request.url.path}; this server has {routes}")
-
-
-# -- guard: API key and the requests-by-status counter -------------------------------------
-
-
-class _Guard:
-    """Pure ASGI middleware: checks the API key and counts responses by status."""
-
-    def __init__(self, app: ASGIApp, state: ServeState) -> None:
-        self.app = app
-        self.state = state
-        key = state.api_key
-        self._key = key.encode() if key else None
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self._key is None or scope["path"] in _OPEN_PATHS:
-            return True
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
-                    return True
-            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self._key):
-                return True
-        return False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        counts = self.state.http.requests
-        started = False
-
-        async def counting_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                code = message["status"]
-                counts[code] = counts.get(code, 0) + 1
-            await send(message)
-
-        if not self._authorized(scope):
-            msg = (
-                "missing or wrong API key; send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
-            )
-            body: Any = {"error": msg}
-            if scope["path"].startswith(_OPENAI_PREFIXES):
-                body = {"error": {"message": msg, "type": "invalid_request_error", "param": None}}
-                body["error"]["code"] = "invalid_api_key"
-            response = JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
-            await response(scope, receive, counting_send)
-            return
-        try:
-            await self.app(scope, receive, counting_send)
-        except Exception:
-            if not started:
-                counts[500] = counts.get(500, 0) + 1
-            raise
-        if not started:  # the client left before any response (nginx's 499)
-            counts[499] = counts.get(499, 0) + 1
 
 
 # -- the app -------------------------------------------------------------------------------
 
 
 def _runtime(
-    source: GraphSource | Sequence[GraphSource], placement: Any, registry: str | None
+    source: GraphSource | Sequence[GraphSource],
+    placement: Any,
+    registry: str | None,
+    session_ttl: float | None,
 ) -> tuple[Runtime, bool]:
     if isinstance(source, Runtime):
-        if placement != "inproc" or registry is not None:
+        if placement != "inproc" or registry is not None or session_ttl is not None:
             raise OmniflowError(
-                "placement/registry configure the Runtime that create_app builds; pass them to "
-                "the Runtime you give it instead"
+                "placement/registry/session_ttl configure the Runtime that create_app builds; "
+                "pass them to the Runtime you give it instead"
             )
         return source, False
     items = [source] if isinstance(source, Graph | str | os.PathLike) else list(source)
@@ -236,7 +227,11 @@ def _runtime(
             graphs.append(item)
         else:
             graphs.extend(load_graphs(item if isinstance(item, str) else Path(item)))
-    return Runtime(*graphs, placement=placement, registry=registry, metrics=True), True
+    options: dict[str, Any] = {}
+    if session_ttl is not None:
+        options["session_ttl"] = session_ttl
+    rt = Runtime(*graphs, placement=placement, registry=registry, metrics=True, **options)
+    return rt, True
 
 
 def create_app(
@@ -247,6 +242,9 @@ def create_app(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     placement: Any = "inproc",
     registry: str | None = None,
+    session_ttl: float | None = None,
+    limits: Limits | None = None,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
 ) -> Starlette:
     """The ASGI app serving a Runtime, or every Graph of the given graphs / graph files.
 
@@ -259,15 +257,20 @@ def create_app(
     ServeState (admission, counters, ``drain``). Under httpx's ASGITransport, which sends no
     lifespan events, wrap the client in ``async with app.router.lifespan_context(app):``.
     ``api_key`` is not read from the environment here (``omniflow serve`` reads
-    ``OMNIFLOW_API_KEY``).
+    ``OMNIFLOW_API_KEY``). ``session_ttl`` goes to ``Runtime(session_ttl=)`` (None: the
+    Runtime's default). ``limits`` bound request bodies here and connections under ``serve``
+    (``_limits``); ``allowed_hosts`` are the ``Host`` names answered (default: loopback names;
+    ``"*"``: any).
     """
-    rt, owns = _runtime(runtime_or_graph_paths, placement, registry)
+    rt, owns = _runtime(runtime_or_graph_paths, placement, registry, session_ttl)
     state = ServeState(
         rt,
         owns_runtime=owns,
         max_inflight=max_inflight,
         api_key=api_key or None,
         drain_timeout=drain_timeout,
+        limits=limits,
+        allowed_hosts=allowed_hosts,
     )
 
     @contextlib.asynccontextmanager
@@ -282,11 +285,13 @@ def create_app(
         routes=[
             Route("/v1/graphs", list_graphs, methods=["GET"]),
             Route("/v1/graphs/{name}/call", call_graph, methods=["POST"]),
+            Route("/v1/sessions/{session:path}", close_session, methods=["DELETE"]),
             Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *_openai.routes,
         ],
-        middleware=[Middleware(_Guard, state=state)],
+        middleware=[Middleware(Guard, state=state)],
         exception_handlers={404: _not_found, 405: _not_found},
         lifespan=lifespan,
     )

@@ -203,10 +203,32 @@ def _object_hook(obj: dict[str, Any]) -> Any:
     return obj
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueDecodingError(
+        f"{name} is not JSON (RFC 8259 has no NaN or infinities); send a finite number or null"
+    )
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueDecodingError(f"number {text[:40]} overflows a float; send a finite number")
+    return x
+
+
 def loads(data: bytes | str) -> Any:
-    """Parse JSON, turning ``$bytes`` / ``$tensor`` objects into values; ValueDecodingError."""
+    """Parse JSON, turning ``$bytes`` / ``$tensor`` objects into values; ValueDecodingError.
+
+    ``NaN``, ``Infinity``, ``-Infinity`` (which Python's json accepts) and numbers that overflow
+    a float (``1e400``) are rejected: they are not JSON, and no other client could send them.
+    """
     try:
-        return json.loads(data, object_hook=_object_hook)
+        return json.loads(
+            data,
+            object_hook=_object_hook,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
     except ValueDecodingError:
         raise
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8

@@ -1,6 +1,8 @@
 """``GET /metrics``: the runtime's and the server's counters in Prometheus text format 0.0.4.
 
-Rendered by hand (the format is a few lines of text per sample; no client library needed).
+Exposed through ``prometheus_client``: a collector builds the families at scrape time from
+``rt.metrics``, ``rt.stats()`` and the server's counters (the values live in those structures,
+which the hot path updates without a library call), and ``generate_latest`` writes them.
 
     omniflow_node_activations_total{graph,node}     counter   finished activations
     omniflow_node_errors_total{graph,node}          counter   activations that raised
@@ -32,6 +34,18 @@ Rendered by hand (the format is a few lines of text per sample; no client librar
     omniflow_http_bytes_out_total                   counter   response body bytes of calls
     omniflow_http_encoding_errors_total             counter   frame values with no JSON form
     omniflow_http_draining                          gauge     1 after SIGTERM
+    omniflow_sessions                               gauge     sessions the runtime holds
+    omniflow_wire_messages_accepted_total           counter   authenticated messages from replicas
+    omniflow_wire_messages_dropped_total{reason}    counter   bad_mac | replay | malformed |
+                                                              unknown_kind | foreign
+    omniflow_registry_forged_records_total          counter   registry records with a bad signature
+    omniflow_replica_restarts_total{role}           counter   spawned replicas respawned
+    omniflow_live_replicas{role}                    gauge     replicas that can serve now
+    omniflow_http_connections_open                  gauge     connections counted against
+                                                              --max-connections (serve only)
+    omniflow_http_connections_closed_total{reason}  counter   evicted (idle, at the cap) |
+                                                              refused (cap, all busy) |
+                                                              timeout (idle or header timeout)
 
 The node and call series need ``Runtime(metrics=True)`` (what ``create_app`` builds); with a
 Runtime given without it, they are simply absent.
@@ -39,13 +53,23 @@ Runtime given without it, they are simply absent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 from omniflow.runtime import Runtime
 from omniflow.runtime._metrics import LATENCY_BUCKETS
 
-__all__ = ["CONTENT_TYPE", "HttpMetrics", "render"]
+__all__ = ["CONTENT_TYPE", "HttpMetrics", "ServeCollector", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -56,7 +80,8 @@ class HttpMetrics:
 
     #: Responses by status code.
     requests: dict[int, int] = field(default_factory=dict)
-    #: Calls refused before they started, by reason ("max_inflight", "draining").
+    #: Calls refused before they started, by reason ("max_inflight", "draining",
+    #: "body_too_large", "body_timeout").
     rejected: dict[str, int] = field(default_factory=dict)
     #: Calls cancelled because their client disconnected.
     disconnects: int = 0
@@ -66,44 +91,27 @@ class HttpMetrics:
     bytes_out: int = 0
     #: Frame values dropped because they had no JSON form.
     encoding_errors: int = 0
+    #: ``serve`` sets it: () -> (open connections, {reason: connections closed}).
+    connections: Callable[[], tuple[int, dict[str, int]]] | None = None
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _family(
+    kind: str, name: str, help_: str, samples: Iterable[tuple[dict[str, str], float]]
+) -> Metric:
+    """A counter or gauge family; a counter's ``name`` ends in ``_total`` as exposed."""
+    items = list(samples)
+    labels = sorted({k for lbl, _ in items for k in lbl})
+    fam: CounterMetricFamily | GaugeMetricFamily
+    if kind == "counter":
+        fam = CounterMetricFamily(name.removesuffix("_total"), help_, labels=labels)
+    else:
+        fam = GaugeMetricFamily(name, help_, labels=labels)
+    for lbl, value in items:
+        fam.add_metric([lbl[k] for k in labels], value)
+    return fam
 
 
-def _labels(**labels: str) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _num(x: float) -> str:
-    if isinstance(x, int):
-        return str(x)
-    return repr(float(x))
-
-
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_: str) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {kind}")
-
-    def sample(self, name: str, value: float, **labels: str) -> None:
-        self.lines.append(f"{name}{_labels(**labels)} {_num(value)}")
-
-    def simple(
-        self, name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, str], float]]
-    ) -> None:
-        self.family(name, kind, help_)
-        for labels, value in samples:
-            self.sample(name, value, **labels)
-
-
-def _runtime_families(w: _Writer, rt: Runtime) -> None:
+def _runtime_families(rt: Runtime) -> Iterator[Metric]:
     m = rt.metrics
     if m is None:
         return
@@ -113,41 +121,41 @@ def _runtime_families(w: _Writer, rt: Runtime) -> None:
         ("errors", "omniflow_node_errors_total", "Activations that raised, per node."),
         ("cancelled", "omniflow_node_cancelled_total", "Activations cancelled, per node."),
     ):
-        w.simple(
-            name,
-            "counter",
-            help_,
-            ((dict(graph=g, node=n), getattr(nm, attr)) for (g, n), nm in nodes),
-        )
-    name = "omniflow_node_latency_seconds"
-    w.family(name, "histogram", "Wall time of activations, per node.")
+        samples = ((dict(graph=g, node=n), getattr(nm, attr)) for (g, n), nm in nodes)
+        yield _family("counter", name, help_, samples)
+    hist = HistogramMetricFamily(
+        "omniflow_node_latency_seconds",
+        "Wall time of activations, per node.",
+        labels=["graph", "node"],
+    )
     bounds = [*(repr(b) for b in LATENCY_BUCKETS), "+Inf"]
     for (g, n), nm in nodes:
-        cumulative = 0
+        cumulative, buckets = 0, []
         for le, count in zip(bounds, nm.latency_counts, strict=True):
             cumulative += count
-            w.sample(f"{name}_bucket", cumulative, graph=g, node=n, le=le)
-        w.sample(f"{name}_sum", nm.latency_sum, graph=g, node=n)
-        w.sample(f"{name}_count", cumulative, graph=g, node=n)
-    w.simple("omniflow_calls_started_total", "counter", "Calls started.", [({}, m.calls_started)])
-    w.simple(
-        "omniflow_calls_finished_total",
+            buckets.append((le, float(cumulative)))
+        hist.add_metric([g, n], buckets, nm.latency_sum)
+    yield hist
+    yield _family("counter", "omniflow_calls_started_total", "Calls started.",
+                  [({}, m.calls_started)])  # fmt: skip
+    yield _family(
         "counter",
+        "omniflow_calls_finished_total",
         "Calls finished, by status.",
         ((dict(status=s), c) for s, c in sorted(m.calls_finished.items())),
     )
-    w.simple(
-        "omniflow_frames_total",
+    yield _family(
         "counter",
+        "omniflow_frames_total",
         "Frames the runtime delivered to callers, per output field.",
         ((dict(graph=g, field=f), c) for (g, f), c in sorted(m.frames_out.items())),
     )
 
 
-def _data_plane_families(w: _Writer, rt: Runtime, stats: dict[str, int]) -> None:
+def _data_plane_families(rt: Runtime, stats: dict[str, int]) -> Iterator[Metric]:
     held = stats.get("data_plane_bytes", 0)
-    w.simple("omniflow_data_plane_held_bytes", "gauge",
-             "Bytes of data-plane blocks held by running calls.", [({}, held)])  # fmt: skip
+    yield _family("gauge", "omniflow_data_plane_held_bytes",
+                  "Bytes of data-plane blocks held by running calls.", [({}, held)])  # fmt: skip
     pool = rt.data_plane_stats()
     for key, name, kind, help_ in (
         ("pool_capacity_bytes", "omniflow_data_pool_capacity_bytes", "gauge",
@@ -159,67 +167,113 @@ def _data_plane_families(w: _Writer, rt: Runtime, stats: dict[str, int]) -> None
         ("pool_fallbacks", "omniflow_data_pool_fallbacks_total", "counter",
          "Values too big for the pool that rode the control message inline."),
     ):  # fmt: skip
-        w.simple(name, kind, help_, [({}, pool[key])])
+        yield _family(kind, name, help_, [({}, pool[key])])
 
 
-def render(rt: Runtime, http: HttpMetrics, *, inflight: int, draining: bool) -> str:
-    """The whole exposition, ending with a newline."""
-    w = _Writer()
-    _runtime_families(w, rt)
-    stats = rt.stats()
-    for key, name, help_ in (
-        ("open_buckets", "omniflow_open_buckets", "Buckets held by running calls."),
-        ("inflight", "omniflow_inflight_activations", "Activations running now."),
-        ("active_calls", "omniflow_active_calls", "Calls started or queued, not yet ended."),
-    ):
-        w.simple(name, "gauge", help_, [({}, stats[key])])
-    _data_plane_families(w, rt, stats)
-    w.simple(
-        "omniflow_http_requests_total",
+def _http_families(http: HttpMetrics, inflight: int, draining: bool) -> Iterator[Metric]:
+    yield _family(
         "counter",
+        "omniflow_http_requests_total",
         "HTTP responses by status code (499: the client left before a response).",
         ((dict(code=str(c)), n) for c, n in sorted(http.requests.items())),
     )
-    w.simple(
-        "omniflow_http_calls_inflight",
-        "gauge",
-        "Calls admitted over HTTP whose response is not finished.",
-        [({}, inflight)],
-    )
-    w.simple(
-        "omniflow_http_calls_rejected_total",
+    yield _family("gauge", "omniflow_http_calls_inflight",
+                  "Calls admitted over HTTP whose response is not finished.",
+                  [({}, inflight)])  # fmt: skip
+    yield _family(
         "counter",
+        "omniflow_http_calls_rejected_total",
         "Calls refused before they started, by reason.",
         ((dict(reason=r), n) for r, n in sorted(http.rejected.items())),
     )
-    w.simple(
-        "omniflow_http_disconnects_total",
+    for kind, name, help_, value in (
+        ("counter", "omniflow_http_disconnects_total",
+         "Calls cancelled because the client disconnected.", http.disconnects),
+        ("counter", "omniflow_http_bytes_out_total", "Response body bytes of calls.",
+         http.bytes_out),
+        ("counter", "omniflow_http_encoding_errors_total",
+         "Frame values dropped because they have no JSON form.", http.encoding_errors),
+        ("gauge", "omniflow_http_draining",
+         "1 once the server stopped admitting calls (shutdown).", int(draining)),
+    ):  # fmt: skip
+        yield _family(kind, name, help_, [({}, value)])
+    yield _family(
         "counter",
-        "Calls cancelled because the client disconnected.",
-        [({}, http.disconnects)],
-    )
-    w.simple(
         "omniflow_http_frames_out_total",
-        "counter",
         "Frames written to HTTP clients, per graph.",
         ((dict(graph=g), n) for g, n in sorted(http.frames_out.items())),
     )
-    w.simple(
-        "omniflow_http_bytes_out_total",
-        "counter",
-        "Response body bytes of calls.",
-        [({}, http.bytes_out)],
-    )
-    w.simple(
-        "omniflow_http_encoding_errors_total",
-        "counter",
-        "Frame values dropped because they have no JSON form.",
-        [({}, http.encoding_errors)],
-    )
-    w.simple(
-        "omniflow_http_draining",
-        "gauge",
-        "1 once the server stopped admitting calls (shutdown).",
-        [({}, int(draining))],
-    )
-    return "\n".join(w.lines) + "\n"
+    if http.connections is not None:
+        n_open, closed = http.connections()
+        yield _family("gauge", "omniflow_http_connections_open",
+                      "Connections counted against the connection cap.",
+                      [({}, n_open)])  # fmt: skip
+        yield _family(
+            "counter",
+            "omniflow_http_connections_closed_total",
+            "Connections the server closed: evicted at the cap, refused, or timed out.",
+            ((dict(reason=r), n) for r, n in sorted(closed.items())),
+        )
+
+
+class ServeCollector(Collector):
+    """One scrape of a served app: the runtime's, the data plane's and the HTTP families.
+
+    Register it with any ``prometheus_client`` registry to export the same series elsewhere:
+    ``CollectorRegistry().register(ServeCollector(rt, http, lambda: (0, False)))``.
+    """
+
+    def __init__(
+        self, rt: Runtime, http: HttpMetrics, status: Callable[[], tuple[int, bool]]
+    ) -> None:
+        self.rt = rt
+        self.http = http
+        #: () -> (calls in flight over HTTP, draining).
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        rt = self.rt
+        yield from _runtime_families(rt)
+        stats = rt.stats()
+        for key, name, help_ in (
+            ("open_buckets", "omniflow_open_buckets", "Buckets held by running calls."),
+            ("inflight", "omniflow_inflight_activations", "Activations running now."),
+            ("active_calls", "omniflow_active_calls", "Calls started or queued, not yet ended."),
+        ):
+            yield _family("gauge", name, help_, [({}, stats[key])])
+        yield from _data_plane_families(rt, stats)
+        inflight, draining = self.status()
+        yield from _http_families(self.http, inflight, draining)
+        yield _family("gauge", "omniflow_sessions", "Sessions whose state the runtime holds.",
+                      [({}, len(rt.sessions()))])  # fmt: skip
+        yield from _wire_families(rt.wire_stats())
+
+
+def _wire_families(wire: dict[str, Any]) -> Iterator[Metric]:
+    yield _family("counter", "omniflow_wire_messages_accepted_total",
+                  "Authenticated messages taken from replicas.",
+                  [({}, wire.get("accepted", 0))])  # fmt: skip
+    dropped = [
+        ({"reason": key.removeprefix("dropped_")}, value)
+        for key, value in sorted(wire.items())
+        if key.startswith("dropped_")
+    ]
+    yield _family("counter", "omniflow_wire_messages_dropped_total",
+                  "Messages from replicas refused before decoding or dispatch, by reason.",
+                  dropped)  # fmt: skip
+    yield _family("counter", "omniflow_registry_forged_records_total",
+                  "Registry records ignored for a missing or bad signature.",
+                  [({}, wire.get("forged_records", 0))])  # fmt: skip
+    restarts = sorted(wire.get("restarts", {}).items())
+    yield _family("counter", "omniflow_replica_restarts_total",
+                  "Spawned replicas respawned after they died or stopped answering.",
+                  [({"role": r}, n) for r, n in restarts])  # fmt: skip
+    live = sorted(wire.get("live_replicas", {}).items())
+    yield _family("gauge", "omniflow_live_replicas", "Replicas of a role that can serve now.",
+                  [({"role": r}, n) for r, n in live])  # fmt: skip
+
+
+def render(rt: Runtime, http: HttpMetrics, *, inflight: int, draining: bool) -> str:
+    """The whole exposition (Prometheus text format 0.0.4), ending with a newline."""
+    collector = ServeCollector(rt, http, lambda: (inflight, draining))
+    return generate_latest(collector).decode("utf-8")

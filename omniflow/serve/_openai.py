@@ -7,16 +7,27 @@ A graph opts in by its shape: a Placeholder named ``messages`` (it receives the 
 OpenAI messages list as is) and an output field ``text`` (each frame's value is a text delta;
 other output fields are not sent). The request's ``model`` names the graph. Any other
 Placeholder of the graph is filled from the request field of the same name (``temperature``,
-``max_tokens``, or anything passed with the client's ``extra_body``); ``session`` in the body
-(``extra_body={"session": "s1"}``) runs the call in that session.
+``max_tokens``, or anything passed with the client's ``extra_body``). A Placeholder named after
+one of OpenAI's optional request fields (``OPTIONAL_FIELDS``: ``max_tokens``, ``temperature``,
+``top_p``, ``seed``, ``stop``...) gets None when the request leaves the field out, as OpenAI
+reads an absent field as null; ``max_completion_tokens`` fills ``max_tokens`` too. ``session``
+in the body (``extra_body={"session": "s1"}``) or the ``X-Omniflow-Session`` header runs the
+call in that session (turns of one conversation then reuse their cached prefix).
 
 ``"stream": true`` answers ``text/event-stream``: a first chunk with the assistant role, one
-``chat.completion.chunk`` per text frame, a last chunk with ``finish_reason: "stop"`` (and one
-with ``usage`` when ``stream_options.include_usage``), then ``data: [DONE]``. A call that ends
-in error sends ``data: {"error": {...}}`` instead of the last chunk. Without streaming the answer
-is one ``chat.completion`` object; a failed call is a 500 with ``x-should-retry: false`` (the
-graph failed; retrying the same request would fail the same way). Usage counts text frames as
-completion tokens and reports 0 prompt tokens: the server does not know the graph's tokenizer.
+``chat.completion.chunk`` per text frame, a last chunk with the ``finish_reason``, then, as
+OpenAI does, one chunk with empty ``choices`` and the ``usage`` only when
+``stream_options.include_usage``, then ``data: [DONE]``. A call that ends in error sends
+``data: {"error": {...}}`` instead of the last chunk. Without streaming the answer is one
+``chat.completion`` object; a failed call is a 500 with ``x-should-retry: false`` (the graph
+failed; retrying the same request would fail the same way).
+
+Usage: a graph that emits a ``usage`` frame (a dict with ``prompt_tokens``,
+``completion_tokens``, optionally ``cached_tokens`` and ``finish_reason``; the last one wins)
+has it reported as OpenAI's ``usage`` (``cached_tokens`` as
+``usage.prompt_tokens_details.cached_tokens``) and its ``finish_reason`` ("stop" or "length")
+as the choice's. Without one, usage counts text frames as completion tokens and reports 0
+prompt tokens (the server does not know the graph's tokenizer) and the finish reason is "stop".
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so the client
 raises its usual exceptions (NotFoundError, BadRequestError, RateLimitError...).
@@ -37,6 +48,7 @@ from starlette.routing import Route
 from omniflow._exceptions import InputError
 from omniflow.runtime import Call, Runtime
 from omniflow.serve._codec import ValueDecodingError, dumps, loads
+from omniflow.serve._limits import bad_session
 from omniflow.serve._stream import CallResponse, call_status
 
 if TYPE_CHECKING:
@@ -44,10 +56,32 @@ if TYPE_CHECKING:
 
     from omniflow.serve._state import ServeState
 
-__all__ = ["chat_graphs", "openai_error", "routes"]
+__all__ = ["OPTIONAL_FIELDS", "chat_graphs", "openai_error", "routes"]
 
 #: Request fields that belong to the OpenAI protocol and are never graph inputs.
 _PROTOCOL_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "session"})
+#: OpenAI's optional chat request fields: a Placeholder named so is None when they are absent.
+OPTIONAL_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "user",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+    }
+)
+#: The header that names the session when the body does not.
+SESSION_HEADER = "x-omniflow-session"
 
 
 def chat_graphs(rt: Runtime) -> list[str]:
@@ -84,6 +118,27 @@ async def list_models(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response | CallResponse:
     state = _state(request)
+    # Admission before the body is read: a refused client costs no body bytes.
+    refused = state.admit()
+    if refused is not None:
+        status, reason, message = refused
+        return openai_error(
+            status,
+            message,
+            type_="rate_limit_error" if status == 429 else "server_error",
+            code=reason,
+            headers={"retry-after": "1"},
+        )
+    response: Response | CallResponse | None = None
+    try:
+        response = await _start_chat(request, state)
+    finally:
+        if not isinstance(response, CallResponse):
+            state.release()
+    return response
+
+
+async def _start_chat(request: Request, state: ServeState) -> Response | CallResponse:
     rt = state.runtime
     try:
         body = loads(await request.body())
@@ -105,23 +160,22 @@ async def chat_completions(request: Request) -> Response | CallResponse:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return openai_error(400, "'messages' must be a list of message objects", param="messages")
     stream = body.get("stream", False)
-    session = body.get("session")
-    if not isinstance(stream, bool) or (session is not None and not isinstance(session, str)):
-        return openai_error(400, "'stream' must be a bool and 'session' a string")
+    session = body.get("session", request.headers.get(SESSION_HEADER))
+    if not isinstance(stream, bool):
+        return openai_error(400, "'stream' must be a bool", param="stream")
+    problem = bad_session(session)
+    if problem is not None:
+        return openai_error(400, problem, param="session")
     inputs: dict[str, Any] = {"messages": messages}
+    if body.get("max_tokens") is None and "max_completion_tokens" in body:
+        body["max_tokens"] = body["max_completion_tokens"]
     for name in rt.plans[model].inputs:
-        if name in body and name not in _PROTOCOL_FIELDS:
+        if name in _PROTOCOL_FIELDS:
+            continue
+        if name in body:
             inputs[name] = body[name]
-    refused = state.admit()
-    if refused is not None:
-        status, reason, message = refused
-        return openai_error(
-            status,
-            message,
-            type_="rate_limit_error" if status == 429 else "server_error",
-            code=reason,
-            headers={"retry-after": "1"},
-        )
+        elif name in OPTIONAL_FIELDS:
+            inputs[name] = None
     try:
         call = rt.call(model, inputs, session=session)
     except InputError as exc:
@@ -178,7 +232,8 @@ class ChatStreamResponse(CallResponse):
         http.bytes_out += len(first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
         n = 0
-        async with contextlib.aclosing(_text_frames(self)) as texts:
+        tally = _Usage()
+        async with contextlib.aclosing(_text_frames(self, tally)) as texts:
             async for frame in texts:
                 if self.disconnected:
                     continue
@@ -189,10 +244,9 @@ class ChatStreamResponse(CallResponse):
         http.frames_out[call.graph] = http.frames_out.get(call.graph, 0) + n
         status, errors = call_status(call, self.extra_errors)
         if status == "ok":
-            tail = delta({}, "stop")
+            tail = delta({}, tally.finish_reason())
             if self.include_usage:
-                usage = {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
-                tail += event([], usage=usage)
+                tail += event([], usage=tally.usage(n))
         else:
             err = {"message": _error_message(call, errors), "type": "server_error"}
             tail = b"data: " + dumps({"error": {**err, "param": None, "code": status}}) + b"\n\n"
@@ -204,7 +258,8 @@ class ChatResponse(CallResponse):
 
     async def respond(self, send: Send) -> None:
         call = self.call
-        async with contextlib.aclosing(_text_frames(self)) as texts:
+        tally = _Usage()
+        async with contextlib.aclosing(_text_frames(self, tally)) as texts:
             parts = [t async for t in texts]
         if self.disconnected:
             return
@@ -222,10 +277,10 @@ class ChatResponse(CallResponse):
                         "index": 0,
                         "message": {"role": "assistant", "content": "".join(parts)},
                         "logprobs": None,
-                        "finish_reason": "stop",
+                        "finish_reason": tally.finish_reason(),
                     }
                 ],
-                "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
+                "usage": tally.usage(n),
             }
         else:
             code = 500
@@ -250,12 +305,50 @@ class ChatResponse(CallResponse):
         await self._finish(send, body)
 
 
-async def _text_frames(resp: CallResponse) -> AsyncGenerator[str, None]:
-    """The text deltas of the call: the values of its ``text`` frames."""
+class _Usage:
+    """The graph's own ``usage`` frame, if it emits one, in OpenAI's shape."""
+
+    __slots__ = ("reported",)
+
+    def __init__(self) -> None:
+        self.reported: dict[str, Any] | None = None
+
+    def see(self, value: Any) -> None:
+        if isinstance(value, dict):
+            self.reported = value
+
+    def finish_reason(self) -> str:
+        reason = (self.reported or {}).get("finish_reason")
+        return "length" if reason == "length" else "stop"
+
+    def usage(self, frames: int) -> dict[str, Any]:
+        got = self.reported
+        if got is None:
+            return {"prompt_tokens": 0, "completion_tokens": frames, "total_tokens": frames}
+        prompt, completion = _count(got, "prompt_tokens"), _count(got, "completion_tokens")
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if "cached_tokens" in got:
+            out["prompt_tokens_details"] = {"cached_tokens": _count(got, "cached_tokens")}
+        return out
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    v = d.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+async def _text_frames(resp: CallResponse, tally: _Usage) -> AsyncGenerator[str, None]:
+    """The text deltas of the call (its ``text`` frames); ``usage`` frames go to ``tally``."""
     async with contextlib.aclosing(resp.raw_frames()) as frames:
         async for frame in frames:
             if frame.field == "text":
                 yield _text(frame.value)
+            elif frame.field == "usage":
+                tally.see(frame.value)
 
 
 routes = [

@@ -16,12 +16,19 @@ A second signal skips what is left of step 2 (cancels at once); a third forces u
 uvicorn's own handling would close the listening socket first (clients would see refused
 connections, not 503s) and re-raise the signal at the end (exit status -15, not 0), so the
 server installs its own handlers.
+
+Connections run uvicorn's h11 protocol with the idle/header timeouts and the connection cap of
+the app's ``Limits`` (``_conn``); the process's open-file limit is raised (up to its hard
+limit) so that the cap, not ``EMFILE``, is what a flood of connections meets. Logs go to
+stderr as text or JSON lines (``_logging``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import resource
 import signal
 import socket
 import sys
@@ -31,6 +38,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from omniflow._exceptions import OmniflowError
+from omniflow.serve._conn import protocol_class
+from omniflow.serve._logging import configure
 from omniflow.serve._state import ServeState
 
 __all__ = ["Server", "serve"]
@@ -114,6 +123,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _raise_file_limit(connections: int) -> None:
+    """Let the process hold ``connections`` sockets plus its own files, if the hard limit
+    allows; warn when it does not (the cap then cannot be reached)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+    if soft != resource.RLIM_INFINITY and soft < want:
+        logging.getLogger("omniflow.serve").warning(
+            "open-file limit %d is below --max-connections %d + 256; lower the cap or raise "
+            "the limit (ulimit -n)",
+            soft,
+            connections,
+        )
+
+
 def serve(
     app: Starlette,
     *,
@@ -122,22 +150,32 @@ def serve(
     log_level: str = "warning",
     access_log: bool = False,
     announce: Callable[[str], None] | None = None,
+    log_format: str = "text",
 ) -> int:
     """Serve ``app`` (from ``create_app``) until SIGTERM/SIGINT; return the exit status (0).
 
     ``announce`` receives the base URL (``http://host:port``) once the server accepts
     connections; with ``port=0`` the system picks a free port and the URL names it.
+    ``log_format`` is ``"text"`` or ``"json"`` (one object per line).
     """
     state: ServeState = app.state.omniflow
+    configure(log_level, log_format)
+    limits = state.limits
+    _raise_file_limit(limits.max_connections)
+    protocol, tracker = protocol_class(limits)
+    state.http.connections = tracker.counts
     sock = _bind(host, port)
     bound_port = sock.getsockname()[1]
     url = f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
     config = uvicorn.Config(
         app,
         log_level=log_level,
+        log_config=None,  # configure() did it
         access_log=access_log,
         lifespan="on",
         ws="none",
+        http=protocol,
+        timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]  # a float works
         # After the drain only idle connections are left; do not wait long for stragglers.
         timeout_graceful_shutdown=5,
     )

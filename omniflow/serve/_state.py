@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError
 from omniflow.runtime import Call, Runtime
 from omniflow.runtime._runtime import RuntimeState
+from omniflow.serve._limits import LOOPBACK_HOSTS, Limits
 from omniflow.serve._metrics import HttpMetrics
 
 __all__ = ["ServeState", "ServeStatus"]
@@ -45,6 +47,8 @@ class ServeState:
         max_inflight: int | None = None,
         api_key: str | None = None,
         drain_timeout: float = 30.0,
+        limits: Limits | None = None,
+        allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
     ) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise OmniflowError(f"max_inflight must be >= 1 or None, got {max_inflight}")
@@ -60,12 +64,18 @@ class ServeState:
         self.api_key = api_key
         #: Seconds ``close`` lets in-flight calls finish before cancelling them.
         self.drain_timeout = drain_timeout
+        #: Body size and time limits (the app), header/idle timeouts and cap (the server).
+        self.limits = limits or Limits()
+        #: ``Host`` names served (``"*"``: any); others get 403.
+        self.allowed_hosts = tuple(allowed_hosts)
         #: HTTP-side counters for /metrics.
         self.http = HttpMetrics()
         #: Lifecycle state.
         self.status = ServeStatus.NEW
         #: Calls admitted whose response is not finished yet.
         self.calls: set[Call] = set()
+        #: Slots admitted whose call has not started yet (its body is being read).
+        self.reserved = 0
         self._idle: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -134,7 +144,8 @@ class ServeState:
         return self.status is not ServeStatus.RUNNING
 
     def admit(self) -> tuple[int, str, str] | None:
-        """None when a new call may start now, else (HTTP status, reason, message)."""
+        """None when a new call may start now (a slot is then reserved until ``enter`` or
+        ``release``), else (HTTP status, reason, message)."""
         if self.status is not ServeStatus.RUNNING:
             reason, status = "draining", 503
             msg = (
@@ -142,16 +153,30 @@ class ServeState:
                 if self.status is not ServeStatus.NEW
                 else "the server has not started yet (its lifespan did not run)"
             )
-        elif self.max_inflight is not None and len(self.calls) >= self.max_inflight:
+        elif self.max_inflight is not None and self.inflight >= self.max_inflight:
             reason, status = "max_inflight", 429
             msg = f"too many calls in flight (max_inflight={self.max_inflight}); retry later"
         else:
+            self.reserved += 1
             return None
         self.http.rejected[reason] = self.http.rejected.get(reason, 0) + 1
         return status, reason, msg
 
+    @property
+    def inflight(self) -> int:
+        """Calls admitted: running, or reading their body."""
+        return len(self.calls) + self.reserved
+
     def enter(self, call: Call) -> None:
+        """The call of a reserved slot started."""
+        self.release()
         self.calls.add(call)
+
+    def release(self) -> None:
+        """Give back a slot ``admit`` reserved (the request failed before its call started)."""
+        if self.reserved <= 0:
+            raise OmniflowError("ServeState.release without a reserved slot (admit first)")
+        self.reserved -= 1
 
     def leave(self, call: Call) -> None:
         self.calls.discard(call)
@@ -162,6 +187,7 @@ class ServeState:
         return {
             "status": self.status.value,
             "calls_inflight": len(self.calls),
+            "calls_reserved": self.reserved,
             "max_inflight": self.max_inflight,
             **self.runtime.stats(),
         }

@@ -13,12 +13,18 @@ NDJSON stream (``"stream": true``), one line per frame as soon as the runtime de
 
     {"field":"token","value":"txt0:6","node":"llm.generate","seq":0}
     ...
-    {"done":true,"status":"ok","errors":[]}
+    {"done":true,"status":"ok","errors":[],"warnings":[]}
 
 One JSON object (``"stream": false``), every declared output present (``[]`` when the call
 produced none of it)::
 
-    {"outputs":{"token":["txt0:6",...],"picture":[[0.6]]},"status":"ok","errors":[]}
+    {"outputs":{"token":["txt0:6",...],"picture":[[0.6]]},"status":"ok","errors":[],
+     "warnings":[]}
+
+``warnings`` is ``call.warnings`` (CONTRACT §3: ``{"node", "field", "message"}`` for each DEAD
+bucket that had received frames). Errors carry the node's message, never its traceback: the
+server logs that, with the call id, graph and node (``_logging.log_call_end``), and logs a
+client's disconnect as one line.
 
 A frame value with no JSON form (see ``_codec``) is left out and reported as an error entry
 (``exc_type: "ValueEncodingError"``, naming node, field and seq); the call goes on and ends
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omniflow.runtime import Call, Frame
 from omniflow.serve._codec import ValueEncodingError, dumps
+from omniflow.serve._logging import log_call_end
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -94,9 +101,10 @@ def frame_line(frame: Frame, value: bytes) -> bytes:
 
 
 def done_line(call: Call, extra: list[dict[str, Any]]) -> bytes:
-    """The last NDJSON line: ``{"done": true, "status", "errors"}``."""
+    """The last NDJSON line: ``{"done": true, "status", "errors", "warnings"}``."""
     status, errors = call_status(call, extra)
-    return dumps({"done": True, "status": status, "errors": errors}) + b"\n"
+    line = {"done": True, "status": status, "errors": errors, "warnings": call.warnings}
+    return dumps(line) + b"\n"
 
 
 class CallResponse:
@@ -125,6 +133,7 @@ class CallResponse:
             if not call.done:
                 await call.cancel()
             self.state.leave(call)
+            log_call_end(call, disconnected=self.disconnected)
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
 
@@ -231,6 +240,8 @@ class JsonCallResponse(CallResponse):
                 dumps(status),
                 b',"errors":',
                 dumps(errors),
+                b',"warnings":',
+                dumps(self.call.warnings),
                 b"}",
             )
         )

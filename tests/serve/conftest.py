@@ -57,7 +57,7 @@ async def inproc() -> AsyncIterator[Callable[..., Any]]:
             app = create_app(list(sources) or [TEST_GRAPHS, CHAT], **kw)
             await stack.enter_async_context(app.router.lifespan_context(app))
             client = httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://omniflow.test"
+                transport=httpx.ASGITransport(app=app), base_url="http://localhost"
             )
             await stack.enter_async_context(client)
             apps.append(app)
@@ -134,11 +134,12 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of a Prometheus exposition (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
+    """The value of one sample of a Prometheus exposition (0 when absent); label order free."""
     for line in text.splitlines():
-        m = re.match(pattern, line)
-        if m:
-            return float(m.group(1))
+        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$", line)
+        if m is None or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if got == labels:
+            return float(m.group(3))
     return 0.0

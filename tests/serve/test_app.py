@@ -54,7 +54,7 @@ async def test_stream_is_ndjson_frames_then_done(inproc: Factory) -> None:
         {"field": "text", "value": "three", "node": "reverser.generate", "seq": 0},
         {"field": "text", "value": " two", "node": "reverser.generate", "seq": 1},
         {"field": "text", "value": " one", "node": "reverser.generate", "seq": 2},
-        {"done": True, "status": "ok", "errors": []},
+        {"done": True, "status": "ok", "errors": [], "warnings": []},
     ]
 
 
@@ -67,7 +67,8 @@ async def test_non_stream_shape(inproc: Factory) -> None:
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
     body = r.json()
-    assert set(body) == {"outputs", "status", "errors"}
+    assert set(body) == {"outputs", "status", "errors", "warnings"}
+    assert body["warnings"] == []
     assert (body["status"], body["errors"]) == ("ok", [])
     async with of.Runtime(*of.load_graphs(FIG3)) as rt:
         expected = await rt.run("fig3", {"request": request})
@@ -83,6 +84,7 @@ async def test_non_stream_lists_every_declared_output(inproc: Factory) -> None:
         "outputs": {"value": ["before", "after"], "never": []},
         "status": "ok",
         "errors": [],
+        "warnings": [],
     }
 
 
@@ -291,7 +293,12 @@ async def test_drain_lets_inflight_finish_and_refuses_new(inproc: Factory, tmp_p
     assert (await s.client.get("/healthz")).status_code == 503
     assert (await s.client.get("/v1/graphs")).status_code == 200
     gate.touch()
-    assert ndjson((await first).text)[-1] == {"done": True, "status": "ok", "errors": []}
+    assert ndjson((await first).text)[-1] == {
+        "done": True,
+        "status": "ok",
+        "errors": [],
+        "warnings": [],
+    }
     assert await drain == 0
 
 
@@ -315,7 +322,7 @@ async def test_create_app_with_a_runtime_leaves_it_to_the_caller() -> None:
         app = create_app(rt)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 r = await c.post("/v1/graphs/echo/call", json={"inputs": {"x": 2}, "stream": False})
                 assert r.json()["outputs"] == {"y": [2]}
                 metrics = (await c.get("/metrics")).text
@@ -375,3 +382,93 @@ async def test_openai_routes_errors_in_openai_shape(inproc: Factory, tmp_path: P
     events = [ln for ln in r.text.split("\n\n") if ln]
     assert events[-1] == "data: [DONE]"
     assert r.headers["content-type"].startswith("text/event-stream")
+
+
+_USAGE_CHAT = """
+import omniflow as of
+
+class Words(of.Role):
+    @of.interface(inputs_or=[["messages", "max_tokens", "stop", "mood"]],
+                  outputs=["text", "usage"])
+    async def generate(self, messages, max_tokens, stop, mood):
+        words = messages[-1]["content"].split()
+        limit = len(words) if max_tokens is None else max_tokens
+        said = words[:limit]
+        for i, w in enumerate(said):
+            yield {"text": w if i == 0 else " " + w}
+        yield {"usage": {"prompt_tokens": 10, "completion_tokens": len(said),
+                         "cached_tokens": 4 if of.context().session else 0,
+                         "finish_reason": "length" if len(said) < len(words) else "stop",
+                         "echo": [max_tokens, stop, mood]}}
+
+graph = of.Graph("words", roles={"w": Words()},
+                 inputs=[of.Placeholder(n) for n in ("messages", "max_tokens", "stop", "mood")],
+                 outputs=["text", "usage"])
+"""
+
+
+async def test_openai_sampling_fields_and_graph_usage(inproc: Factory, tmp_path: Path) -> None:
+    src = tmp_path / "words.py"
+    src.write_text(_USAGE_CHAT)
+    s: InProcess = await inproc(str(src))
+    c = s.client
+    user = [{"role": "user", "content": "a b c d"}]
+    # 'mood' is not an OpenAI field: it stays a required input (400 naming it)
+    r = await c.post("/v1/chat/completions", json={"model": "words", "messages": user})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mood"
+    # absent OpenAI fields are None; the graph's usage frame is the usage
+    body = {"model": "words", "messages": user, "mood": "ok"}
+    r = await c.post("/v1/chat/completions", json=body)
+    got = r.json()
+    assert got["choices"][0]["message"]["content"] == "a b c d"
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    # max_completion_tokens fills max_tokens; finish_reason length; session from the header
+    r = await c.post(
+        "/v1/chat/completions",
+        json={**body, "max_completion_tokens": 2, "stop": ["x"]},
+        headers={"x-omniflow-session": "s9"},
+    )
+    got = r.json()
+    assert got["choices"][0]["message"]["content"] == "a b"
+    assert got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == 2
+    assert got["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    # streamed: usage only with include_usage, in a last chunk with no choices
+    for include in (False, True):
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                **body,
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": include},
+            },
+        )
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+        assert r.text.endswith("data: [DONE]\n\n")
+        finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finals[-1] == "length"
+        usage = [e["usage"] for e in events if "usage" in e]
+        if include:
+            assert events[-1]["choices"] == []
+            assert usage == [
+                {
+                    "prompt_tokens": 10,
+                    "completion_tokens": 3,
+                    "total_tokens": 13,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                }
+            ]
+        else:
+            assert usage == []
+    r = await c.post(
+        "/v1/graphs/words/call",
+        json={"inputs": {"messages": user, "max_tokens": 1, "stop": None, "mood": 1}},
+    )
+    assert json.loads(r.text.splitlines()[-2])["value"]["echo"] == [1, None, 1]

@@ -38,6 +38,14 @@ def test_help_lists_every_subcommand(capsys: Capsys) -> None:
         "--drain-timeout",
         "--placement",
         "--registry",
+        "--max-body-mb",
+        "--header-timeout",
+        "--body-timeout",
+        "--idle-timeout",
+        "--max-connections",
+        "--allowed-host",
+        "--session-ttl",
+        "--log-format",
     ):
         assert flag in out
 
@@ -60,7 +68,7 @@ def test_run_json_is_the_http_stream(capsys: Capsys, tmp_path: Path) -> None:
     assert rc == 0
     lines = [json.loads(line) for line in out.splitlines()]
     assert lines[0] == {"field": "token", "value": "txt0:6", "node": "llm.generate", "seq": 0}
-    assert lines[-1] == {"done": True, "status": "ok", "errors": []}
+    assert lines[-1] == {"done": True, "status": "ok", "errors": [], "warnings": []}
     assert [ln["field"] for ln in lines[:-1]] == ["token", "token", "picture"]
 
 
@@ -174,6 +182,14 @@ def test_run_prints_frames_as_they_come(tmp_path: Path) -> None:
         (["--port", "70000"], 2, "not in 0..65535"),
         (["--max-inflight", "0"], 2, "must be at least 1"),
         (["--drain-timeout", "-1"], 2, "must be >= 0"),
+        (["--max-body-mb", "-1"], 2, "must be >= 0 MiB"),
+        (["--max-body-mb", "nan"], 2, "must be >= 0 MiB"),
+        (["--header-timeout", "0"], 2, "must be a number of seconds > 0"),
+        (["--idle-timeout", "inf"], 2, "must be a number of seconds > 0"),
+        (["--body-timeout", "x"], 2, "is not a number of seconds"),
+        (["--max-connections", "0"], 2, "must be at least 1"),
+        (["--session-ttl", "0"], 2, "must be a number of seconds > 0"),
+        (["--log-format", "xml"], 2, "invalid choice"),
     ],
 )
 def test_serve_flag_errors(capsys: Capsys, argv: list[str], rc: int, needle: str) -> None:
@@ -214,4 +230,19 @@ def test_serve_role_setup_failure_is_one_line(capsys: Capsys, tmp_path: Path) ->
     code, out, err = run_cli(capsys, "serve", str(broken), "--port", "0")
     assert code == 1
     assert out == ""
-    assert err == "omniflow serve: error: role setup failed: RuntimeError('weights not found')\n"
+    assert err == (
+        "omniflow serve: error: role 'bad_setup' setup() failed: RuntimeError: weights not found\n"
+    )
+
+
+def test_allowed_hosts_follow_the_bind_address(capsys: Capsys) -> None:
+    from omniflow._cli_serve import allowed_hosts
+
+    loopback = ["localhost", "127.0.0.1", "::1"]
+    assert allowed_hosts("127.0.0.1", []) == loopback
+    assert allowed_hosts("::1", ["API.example"]) == [*loopback, "api.example"]
+    assert allowed_hosts("10.1.2.3", []) == [*loopback, "10.1.2.3"]
+    assert allowed_hosts("0.0.0.0", ["api.example"]) == [*loopback, "api.example"]
+    assert capsys.readouterr().err == ""
+    assert allowed_hosts("0.0.0.0", []) == ["*"]
+    assert "any Host header is answered" in capsys.readouterr().err

@@ -50,7 +50,7 @@ async def test_frames_stream_before_the_call_ends(
             rest = [line async for line in lines]
     assert rest == [
         {"field": "step", "value": "released", "node": "gate.wait", "seq": 1},
-        {"done": True, "status": "ok", "errors": []},
+        {"done": True, "status": "ok", "errors": [], "warnings": []},
     ]
 
 
@@ -116,7 +116,12 @@ async def test_client_leaving_a_non_stream_call_cancels_it(
 async def test_non_stream_and_errors_over_the_socket(shared_server: ServerProc) -> None:
     async with httpx.AsyncClient(base_url=shared_server.url, timeout=TIMEOUT) as c:
         r = await c.post("/v1/graphs/echo/call", json={"inputs": {"x": [1, "a"]}, "stream": False})
-        assert r.json() == {"outputs": {"y": [[1, "a"]]}, "status": "ok", "errors": []}
+        assert r.json() == {
+            "outputs": {"y": [[1, "a"]]},
+            "status": "ok",
+            "errors": [],
+            "warnings": [],
+        }
         r = await c.post("/v1/graphs/nope/call", json={"inputs": {}})
         assert r.status_code == 404
         assert "unknown graph 'nope'" in r.json()["error"]
@@ -196,16 +201,18 @@ async def _hammer(c: httpx.AsyncClient, n: int, concurrency: int) -> None:
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def test_rss_returns_to_baseline_after_5000_calls(shared_server: ServerProc) -> None:
+async def test_nothing_of_2000_finished_calls_stays_in_the_server(
+    shared_server: ServerProc,
+) -> None:
+    """Behaviour, not memory: every call's state is gone once it ended. (RSS around many calls
+    is a benchmark's claim: benchmarks/bench_runtime.py memory shape, bench_http_limits.py.)"""
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
     async with httpx.AsyncClient(base_url=shared_server.url, timeout=TIMEOUT, limits=limits) as c:
-        await _hammer(c, 500, 16)
-        baseline = shared_server.rss_kib()
-        await _hammer(c, 5000, 16)
+        await _hammer(c, 2000, 16)
         text = (await c.get("/metrics")).text
-    after = shared_server.rss_kib()
-    assert metric(text, "omniflow_active_calls") == 0
-    assert after - baseline < 10 * 1024, f"RSS grew {baseline} -> {after} KiB over 5000 calls"
+    for gauge in ("omniflow_active_calls", "omniflow_open_buckets", "omniflow_inflight_activations",
+                  "omniflow_http_calls_inflight", "omniflow_data_plane_held_bytes"):  # fmt: skip
+        assert f"\n{gauge} " in text and metric(text, gauge) == 0, gauge
 
 
 async def test_sigterm_drains_then_exits_0(tmp_path: Path) -> None:
@@ -248,7 +255,7 @@ async def test_sigterm_drains_then_exits_0(tmp_path: Path) -> None:
                 rest2 = [line async for line in s2]
         for rest in (rest1, rest2):
             assert [ln.get("value") for ln in rest[:-1]] == ["released"]
-            assert rest[-1] == {"done": True, "status": "ok", "errors": []}
+            assert rest[-1] == {"done": True, "status": "ok", "errors": [], "warnings": []}
         assert server.proc.wait(15) == 0
         assert (markers / "teardown").exists()  # the runtime closed: role teardown ran
         assert "Traceback" not in server.stderr()
