@@ -1,0 +1,23 @@
+"""The Global Params Pool: paged, tiered KV storage with shared metadata (CONTRACT section 7).
+
+Four layers, bottom up: the physical paging layer (``_layout``, ``_tiers``), the slot engine
+(``_sketch``, ``_slots``: a pure core), the metadata coordination (``_meta``, ``_redis``) and the
+data-flow loop in the shell (``_pool``, ``_pull``).
+"""
+
+from omniflow._exceptions import PoolExhaustedError
+from omniflow.data.kv._layout import Match, PageLayout, chain_hashes
+from omniflow.data.kv._meta import MemoryMetadata, Metadata
+from omniflow.data.kv._pool import ParamsPool
+from omniflow.data.kv._slots import SlotCore
+
+__all__ = [
+    "Match",
+    "MemoryMetadata",
+    "Metadata",
+    "PageLayout",
+    "ParamsPool",
+    "PoolExhaustedError",
+    "SlotCore",
+    "chain_hashes",
+]

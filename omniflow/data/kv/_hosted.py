@@ -1,0 +1,219 @@
+"""Front-hosted metadata: one ``MemoryMetadata`` in the front, reached by every worker.
+
+With ``metadata=None`` in a multi-process runtime, the front keeps the Params Pools' metadata
+in its memory (as it keeps the in-memory registry) and every worker's pools use a
+``HostedMetadata``: each call of the ``Metadata`` interface is one ``MetaCall`` message over the
+worker's authenticated connection to the front that spawned it, answered by one ``MetaReply``
+(request ids pair them; a call is one round trip, as one Lua script or one pipeline is in
+Redis). Publish notifications of chains a worker's pool subscribed to come back as one
+``MetaNotify(pool, session, hashes)`` per publish. The front applies each call with
+``serve`` to its ``MemoryMetadata``, whose methods are atomic, so every process sees one
+truth::
+
+    worker pool --MetaCall(r, op, [pool, ...])--> front: serve(meta, op, args)
+                <--MetaReply(r, value, error)----
+
+``serve`` checks the operation and every argument's exact type before it touches the
+metadata; a malformed call is answered with an error and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omniflow._exceptions import DataError
+from omniflow.data.kv._meta import MemoryMetadata, Metadata, Notify
+
+__all__ = ["OPS", "HostedMetadata", "serve"]
+
+#: Seconds a worker waits for the front's answer before the call fails (never hangs).
+DEFAULT_TIMEOUT = 30.0
+
+# Argument kinds: s str, o str or None, l list of str, n list of (str or None), d dict
+# str -> str, i int, b bool.
+#: operation -> kinds of its arguments after the pool name.
+OPS: dict[str, str] = {
+    "register": "sd",
+    "nodes": "l",
+    "publish": "soll",
+    "provide": "sll",
+    "match": "ol",
+    "evict": "sln",
+    "lock": "ssl",
+    "unlock": "ssl",
+    "run": "si",
+    "leave": "s",
+    "subscribe": "sob",
+    "dump": "",
+}
+
+
+def _ok(kind: str, v: Any) -> bool:
+    t = type(v)
+    if kind == "s":
+        return t is str
+    if kind == "o":
+        return v is None or t is str
+    if kind == "i":
+        return t is int
+    if kind == "b":
+        return t is bool
+    if kind == "l":
+        return t is list and all(type(x) is str for x in v)
+    if kind == "n":
+        return t is list and all(x is None or type(x) is str for x in v)
+    if kind == "d":
+        return t is dict and all(type(k) is str and type(x) is str for k, x in v.items())
+    raise AssertionError(kind)  # pragma: no cover - OPS uses only the kinds above
+
+
+def check(op: str, args: Any) -> None:
+    """DataError unless ``args`` are ``[pool, *arguments]`` of the metadata operation ``op``."""
+    kinds = OPS.get(op) if type(op) is str else None
+    if kinds is None:
+        raise DataError(f"hosted metadata: unknown operation {op!r:.40}")
+    if type(args) is not list or len(args) != len(kinds) + 1 or type(args[0]) is not str:
+        raise DataError(f"hosted metadata: '{op}' takes a pool name and {len(kinds)} arguments")
+    for i, (kind, v) in enumerate(zip(kinds, args[1:], strict=True)):
+        if not _ok(kind, v):
+            raise DataError(
+                f"hosted metadata: argument {i + 1} of '{op}' (pool {args[0]!r:.40}) has the "
+                f"wrong type {type(v).__name__}"
+            )
+
+
+async def serve(meta: MemoryMetadata, op: str, args: Any) -> Any:
+    """Apply one checked call to the front's metadata; its value as plain data."""
+    check(op, args)
+    value = await getattr(meta, op)(*args)
+    return value
+
+
+class HostedMetadata(Metadata):
+    """A worker's client of the front's metadata (the same behaviour as ``MemoryMetadata``).
+
+    ``attach(send)`` is called when the front that spawned the worker says hello; ``send``
+    puts one ``(request id, op, args)`` on the wire to it. ``reply`` resolves a request. Calls
+    made before a front is attached, or after it is gone, raise ``DataError`` at once.
+    """
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.timeout = timeout
+        self.round_trips = 0
+        self._send: Callable[[int, str, list[Any]], None] | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._listeners: dict[str, Notify] = {}
+
+    @property
+    def attached(self) -> bool:
+        return self._send is not None
+
+    def attach(self, send: Callable[[int, str, list[Any]], None]) -> None:
+        self._send = send
+
+    def detach(self, why: str) -> None:
+        """The front is gone: fail every call waiting for it."""
+        self._send = None
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(DataError(f"hosted metadata: {why}"))
+                fut.exception()  # retrieved: its caller may have been cancelled
+
+    def reply(self, r: int, value: Any, error: str | None) -> None:
+        fut = self._waiting.pop(r, None)
+        if fut is None or fut.done():
+            return  # late (timed out) or never asked: nothing waits for it
+        if error is not None:
+            fut.set_exception(DataError(f"hosted metadata: the front refused: {error}"))
+        else:
+            fut.set_result(value)
+
+    def listen(self, pool: str, node: str, callback: Notify) -> None:
+        self._listeners[pool] = callback
+
+    def notify(self, pool: str, session: str | None, keys: list[str]) -> None:
+        """A batch the front sent: pages published in a chain this process subscribed to."""
+        callback = self._listeners.get(pool)
+        if callback is not None:
+            callback(pool, session, keys)
+
+    async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
+        await self._call("subscribe", pool, node, session, on)
+
+    @property
+    def pending(self) -> int:
+        return len(self._waiting)
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        if self._send is None:
+            raise DataError(
+                f"pool '{args[0]}': its metadata is hosted by the front, which this worker "
+                "reaches only once it serves (not in setup(), not after the front left); give "
+                "the pool metadata='redis://...' to use it there"
+            )
+        r = next(self._ids)
+        fut = self._waiting[r] = asyncio.get_running_loop().create_future()
+        self.round_trips += 1
+        try:
+            self._send(r, op, list(args))
+            return await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            raise DataError(
+                f"pool '{args[0]}': the front did not answer '{op}' within {self.timeout} s"
+            ) from None
+        finally:
+            self._waiting.pop(r, None)
+
+    async def register(self, pool: str, node: str, info: dict[str, str]) -> None:
+        await self._call("register", pool, node, dict(info))
+
+    async def nodes(self, pool: str, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = await self._call("nodes", pool, list(names))
+        return out
+
+    async def publish(
+        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
+    ) -> None:
+        await self._call("publish", pool, node, session, list(keys), list(locs))
+
+    async def provide(
+        self, pool: str, node: str, keys: Sequence[str], locs: Sequence[str]
+    ) -> list[bool]:
+        out: list[bool] = await self._call("provide", pool, node, list(keys), list(locs))
+        return out
+
+    async def match(
+        self, pool: str, session: str | None, keys: Sequence[str]
+    ) -> list[dict[str, str]]:
+        out: list[dict[str, str]] = await self._call("match", pool, session, list(keys))
+        return out
+
+    async def evict(
+        self, pool: str, node: str, keys: Sequence[str], locs: Sequence[str | None]
+    ) -> list[bool]:
+        out: list[bool] = await self._call("evict", pool, node, list(keys), list(locs))
+        return out
+
+    async def lock(
+        self, pool: str, reader: str, provider: str, keys: Sequence[str]
+    ) -> list[str | None]:
+        out: list[str | None] = await self._call("lock", pool, reader, provider, list(keys))
+        return out
+
+    async def unlock(self, pool: str, reader: str, provider: str, keys: Sequence[str]) -> None:
+        await self._call("unlock", pool, reader, provider, list(keys))
+
+    async def run(self, pool: str, session: str, delta: int) -> None:
+        await self._call("run", pool, session, delta)
+
+    async def leave(self, pool: str, node: str) -> None:
+        await self._call("leave", pool, node)
+
+    async def dump(self, pool: str) -> dict[str, object]:
+        out: dict[str, object] = await self._call("dump", pool)
+        return out

@@ -1,0 +1,324 @@
+"""The Params Pools' metadata in Redis: every write one Lua script, every read one pipeline.
+
+Keys of pool ``p`` (prefix ``ofkv:{p}:``), all values plain strings (JSON for node records;
+nothing read from Redis is ever unpickled):
+
+    N             hash   node -> JSON {host, pid, shm, l2, addr, layout, lid}
+    C:{chain}     set    page hashes published in the chain (``s:{session}`` or public)
+    S:{key}       set    chains that hold the page
+    P:{key}       hash   node -> "tier:index:fill" (or "m" while the replica moves)
+    L:{key}:{n}   hash   reader -> count: replica locks on node n's copy
+    R             hash   chain -> count of calls of that session holding pages (run lock)
+    X:{node}      set    pages the node provides (for ``leave``)
+    RL:{reader}   set    "key\\nprovider" the reader has locked (for ``leave``)
+
+The scripts build key names from the prefix, so they assume one Redis (no Cluster). What each
+guarantees is in ``design/ARCHITECTURE.md`` ("Global Params Pool").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from omniflow._exceptions import DataError
+from omniflow.data.kv._meta import PUBLIC, Metadata, chain_name
+
+__all__ = ["RedisMetadata"]
+
+_DROP_PAGE = """
+local function drop_page(pre, key)
+  for _, c in ipairs(redis.call('SMEMBERS', pre .. 'S:' .. key)) do
+    redis.call('SREM', pre .. 'C:' .. c, key)
+  end
+  redis.call('DEL', pre .. 'S:' .. key, pre .. 'P:' .. key)
+end
+"""
+
+#: ARGV: prefix, node, json
+REGISTER = "redis.call('HSET', ARGV[1] .. 'N', ARGV[2], ARGV[3]) return 1"
+
+#: ARGV: prefix, node, chain, key1, loc1, ... ; loc "" = chain only. A page joins a chain only
+#: while it has a provider, so no chain ever names a page nobody holds.
+PUBLISH = """
+local pre, node, chain = ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV, 2 do
+  local key, loc = ARGV[i], ARGV[i + 1]
+  if loc ~= '' then
+    redis.call('HSET', pre .. 'P:' .. key, node, loc)
+    redis.call('SADD', pre .. 'X:' .. node, key)
+  end
+  if redis.call('EXISTS', pre .. 'P:' .. key) == 1 then
+    redis.call('SADD', pre .. 'C:' .. chain, key)
+    redis.call('SADD', pre .. 'S:' .. key, chain)
+  end
+end
+return 1
+"""
+
+#: ARGV: prefix, node, key1, loc1, ... : a replica of a page still in some chain.
+PROVIDE = """
+local pre, node = ARGV[1], ARGV[2]
+local out = {}
+for i = 3, #ARGV, 2 do
+  local key = ARGV[i]
+  if redis.call('EXISTS', pre .. 'S:' .. key) == 1 then
+    redis.call('HSET', pre .. 'P:' .. key, node, ARGV[i + 1])
+    redis.call('SADD', pre .. 'X:' .. node, key)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+#: ARGV: prefix, node, key1, loc1, ... ; loc "" = drop the replica. Returns 1/0 per page.
+EVICT = (
+    _DROP_PAGE
+    + """
+local pre, node = ARGV[1], ARGV[2]
+local out = {}
+for i = 3, #ARGV, 2 do
+  local key, loc = ARGV[i], ARGV[i + 1]
+  local P = pre .. 'P:' .. key
+  local ok = 1
+  if redis.call('HEXISTS', P, node) == 0 then
+    ok = 1
+  elseif redis.call('EXISTS', pre .. 'L:' .. key .. ':' .. node) == 1 then
+    ok = 0                                   -- (1) replica reference lock
+  elseif loc ~= '' then
+    redis.call('HSET', P, node, loc)         -- a move: same node, new place
+  else
+    if redis.call('HLEN', P) == 1 then       -- (2) session run lock on the last replica
+      for _, c in ipairs(redis.call('SMEMBERS', pre .. 'S:' .. key)) do
+        local r = redis.call('HGET', pre .. 'R', c)
+        if r and tonumber(r) > 0 then ok = 0 break end
+      end
+    end
+    if ok == 1 then
+      redis.call('HDEL', P, node)
+      redis.call('SREM', pre .. 'X:' .. node, key)
+      if redis.call('HLEN', P) == 0 then    -- (3) chains stay completely covered
+        drop_page(pre, key)
+      end
+    end
+  end
+  out[#out + 1] = ok
+end
+return out
+"""
+)
+
+#: ARGV: prefix, reader, provider, key1, ... ; returns each location ("" = none, not locked).
+LOCK = """
+local pre, reader, provider = ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+for i = 4, #ARGV do
+  local key = ARGV[i]
+  local loc = redis.call('HGET', pre .. 'P:' .. key, provider)
+  if loc and loc ~= 'm' then
+    redis.call('HINCRBY', pre .. 'L:' .. key .. ':' .. provider, reader, 1)
+    redis.call('SADD', pre .. 'RL:' .. reader, key .. '\\n' .. provider)
+    out[#out + 1] = loc
+  else
+    out[#out + 1] = ''
+  end
+end
+return out
+"""
+
+#: ARGV: prefix, reader, provider, key1, ...
+UNLOCK = """
+local pre, reader, provider = ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV do
+  local key = ARGV[i]
+  local L = pre .. 'L:' .. key .. ':' .. provider
+  if redis.call('HEXISTS', L, reader) == 1 then
+    if redis.call('HINCRBY', L, reader, -1) <= 0 then
+      redis.call('HDEL', L, reader)
+      redis.call('SREM', pre .. 'RL:' .. reader, key .. '\\n' .. provider)
+    end
+  end
+end
+return 1
+"""
+
+#: ARGV: prefix, chain, delta
+RUN = """
+local n = redis.call('HINCRBY', ARGV[1] .. 'R', ARGV[2], tonumber(ARGV[3]))
+if n <= 0 then redis.call('HDEL', ARGV[1] .. 'R', ARGV[2]) end
+return n
+"""
+
+#: ARGV: prefix, node
+LEAVE = (
+    _DROP_PAGE
+    + """
+local pre, node = ARGV[1], ARGV[2]
+for _, key in ipairs(redis.call('SMEMBERS', pre .. 'X:' .. node)) do
+  local P = pre .. 'P:' .. key
+  redis.call('HDEL', P, node)
+  redis.call('DEL', pre .. 'L:' .. key .. ':' .. node)
+  if redis.call('HLEN', P) == 0 then drop_page(pre, key) end
+end
+for _, entry in ipairs(redis.call('SMEMBERS', pre .. 'RL:' .. node)) do
+  local sep = string.find(entry, '\\n', 1, true)
+  local L = pre .. 'L:' .. string.sub(entry, 1, sep - 1) .. ':' .. string.sub(entry, sep + 1)
+  redis.call('HDEL', L, node)
+end
+redis.call('DEL', pre .. 'X:' .. node, pre .. 'RL:' .. node)
+redis.call('HDEL', pre .. 'N', node)
+return 1
+"""
+)
+
+
+class RedisMetadata(Metadata):
+    """``Metadata`` in one Redis server (``redis://host:port/db``)."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self.url = url
+        self._r: Any = aioredis.from_url(url, decode_responses=True)
+        self._scripts = {
+            name: self._r.register_script(src)
+            for name, src in {
+                "register": REGISTER,
+                "publish": PUBLISH,
+                "provide": PROVIDE,
+                "evict": EVICT,
+                "lock": LOCK,
+                "unlock": UNLOCK,
+                "run": RUN,
+                "leave": LEAVE,
+            }.items()
+        }
+        self.round_trips = 0
+
+    async def _call(self, name: str, args: list[Any]) -> Any:
+        self.round_trips += 1
+        try:
+            return await self._scripts[name](keys=[], args=args)
+        except OSError as exc:
+            raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
+        except Exception as exc:
+            if type(exc).__module__.startswith("redis"):
+                raise DataError(f"params pool metadata at {self.url}: {exc}") from exc
+            raise
+
+    @staticmethod
+    def _pre(pool: str) -> str:
+        return f"ofkv:{pool}:"
+
+    async def register(self, pool: str, node: str, info: dict[str, str]) -> None:
+        await self._call("register", [self._pre(pool), node, json.dumps(info, sort_keys=True)])
+
+    async def nodes(self, pool: str, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        if not names:
+            return {}
+        self.round_trips += 1
+        raw = await self._r.hmget(self._pre(pool) + "N", list(names))
+        out: dict[str, dict[str, str]] = {}
+        for name, text in zip(names, raw, strict=True):
+            if text is None:
+                continue
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                continue  # a malformed record is ignored, never trusted
+            if isinstance(doc, dict) and all(isinstance(v, str) for v in doc.values()):
+                out[name] = doc
+        return out
+
+    async def publish(
+        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
+    ) -> None:
+        args: list[Any] = [self._pre(pool), node, chain_name(session)]
+        for key, loc in zip(keys, locs, strict=True):
+            args += [key, loc]
+        await self._call("publish", args)
+
+    async def provide(
+        self, pool: str, node: str, keys: Sequence[str], locs: Sequence[str]
+    ) -> list[bool]:
+        if not keys:
+            return []
+        args: list[Any] = [self._pre(pool), node]
+        for key, loc in zip(keys, locs, strict=True):
+            args += [key, loc]
+        return [bool(x) for x in await self._call("provide", args)]
+
+    async def match(
+        self, pool: str, session: str | None, keys: Sequence[str]
+    ) -> list[dict[str, str]]:
+        if not keys:
+            return []
+        pre = self._pre(pool)
+        mine, public = pre + "C:" + chain_name(session), pre + "C:" + PUBLIC
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.sismember(mine, key)
+            pipe.sismember(public, key)
+            pipe.hgetall(pre + "P:" + key)
+        self.round_trips += 1
+        try:
+            raw = await pipe.execute()
+        except OSError as exc:
+            raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
+        out = []
+        for i in range(len(keys)):
+            in_mine, in_public, prov = raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]
+            if not prov or not (in_mine or in_public):
+                break
+            out.append(dict(prov))
+        return out
+
+    async def evict(
+        self, pool: str, node: str, keys: Sequence[str], locs: Sequence[str | None]
+    ) -> list[bool]:
+        if not keys:
+            return []
+        args: list[Any] = [self._pre(pool), node]
+        for key, loc in zip(keys, locs, strict=True):
+            args += [key, loc or ""]
+        return [bool(x) for x in await self._call("evict", args)]
+
+    async def lock(
+        self, pool: str, reader: str, provider: str, keys: Sequence[str]
+    ) -> list[str | None]:
+        raw = await self._call("lock", [self._pre(pool), reader, provider, *keys])
+        return [x or None for x in raw]
+
+    async def unlock(self, pool: str, reader: str, provider: str, keys: Sequence[str]) -> None:
+        await self._call("unlock", [self._pre(pool), reader, provider, *keys])
+
+    async def run(self, pool: str, session: str, delta: int) -> None:
+        await self._call("run", [self._pre(pool), chain_name(session), int(delta)])
+
+    async def leave(self, pool: str, node: str) -> None:
+        await self._call("leave", [self._pre(pool), node])
+
+    async def dump(self, pool: str) -> dict[str, object]:
+        pre = self._pre(pool)
+        chains: dict[str, list[str]] = {}
+        providers: dict[str, dict[str, str]] = {}
+        locks: dict[str, dict[str, int]] = {}
+        async for name in self._r.scan_iter(match=pre + "*", count=1000):
+            rest = name[len(pre) :]
+            if rest.startswith("C:"):
+                chains[rest[2:]] = sorted(await self._r.smembers(name))
+            elif rest.startswith("P:"):
+                providers[rest[2:]] = await self._r.hgetall(name)
+            elif rest.startswith("L:"):
+                key, node = rest[2:].split(":", 1)
+                locks[f"{key}|{node}"] = {
+                    k: int(v) for k, v in (await self._r.hgetall(name)).items()
+                }
+        runs = {k: int(v) for k, v in (await self._r.hgetall(pre + "R")).items()}
+        return {"chains": chains, "providers": providers, "locks": locks, "runs": runs}
+
+    async def close(self) -> None:
+        await self._r.aclose()
