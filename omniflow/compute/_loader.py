@@ -1,0 +1,117 @@
+"""Load a Hugging Face-format checkpoint: ``config.json`` and ``*.safetensors`` (sharded too).
+
+>>> # cfg, model = load_model("path/to/model", device="auto", dtype="auto")
+
+Sharded checkpoints are read through ``model.safetensors.index.json``; single-file ones from
+``model.safetensors``. Tied embeddings (no ``lm_head.weight``) share the embedding matrix. Tensors
+are read one at a time and moved straight to the target device and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from omniflow.compute._config import ModelConfig
+from omniflow.compute._errors import ModelLoadError
+from omniflow.compute._model import LlamaModel
+
+__all__ = ["load_model", "resolve_device", "resolve_dtype"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is cuda when available, else cpu."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``"auto"``: the checkpoint's dtype on cuda, float32 on cpu (half matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        dtype = cfg.torch_dtype or "bfloat16"
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"{index} names shards that are not on disk: {missing}", path=str(index)
+            )
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"model directory {str(model_dir)!r} has no *.safetensors weights "
+            "(pytorch_model.bin is not read: convert it with "
+            "save_pretrained(safe_serialization=True))",
+            path=str(model_dir),
+        )
+    return files
+
+
+def load_weights(
+    model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, on ``device`` in ``dtype``."""
+    from safetensors import SafetensorError, safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in _shard_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
+    return weights
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+) -> LlamaModel:
+    """Read config and weights of ``model_dir`` into a ready ``LlamaModel``."""
+    root = Path(model_dir)
+    cfg = ModelConfig.from_dir(root)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, cfg, dev)
+    weights = load_weights(root, dev, dt)
+    if cfg.tie_word_embeddings:  # the embedding matrix is the output head (as transformers ties)
+        weights.pop("lm_head.weight", None)
+    try:
+        return LlamaModel(cfg, weights, dev)
+    except KeyError as exc:
+        raise ModelLoadError(
+            f"{root}: tensor {exc.args[0]!r} is missing from the safetensors files; "
+            f"the checkpoint does not match its config ({cfg.model_type}, {cfg.num_layers} layers)",
+            path=str(root),
+        ) from exc

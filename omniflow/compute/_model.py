@@ -1,0 +1,282 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+
+>>> # model = LlamaModel(cfg, weights, device, dtype); logits = model.forward(batch)
+
+One forward pass takes a *flattened* batch: the new tokens of every scheduled sequence laid end to
+end (decode steps contribute one token, prefill chunks many), their absolute positions, and per
+sequence the KV pages of every layer. Each layer writes the new tokens' keys and values into those
+pages, then attends over the pages (the cached prefix plus what was just written). The model knows
+nothing of pools or schedulers: it computes and writes into the pages it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from omniflow.compute._config import ModelConfig
+from omniflow.compute._rope import RotaryEmbedding, apply_rotary, inv_frequencies
+
+__all__ = ["ForwardBatch", "LlamaModel", "SeqSlice"]
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's share of a forward batch."""
+
+    start: int  #: tokens already in the KV pages (the cached/computed prefix)
+    q_len: int  #: new tokens this step (1 for decode)
+    k_pages: list[
+        list[torch.Tensor]
+    ]  #: per layer, the page views (page_tokens, kv_heads, head_dim)
+    v_pages: list[list[torch.Tensor]]  #: same for values
+    want_logits: bool = True  #: False for a prefill chunk that is not the prompt's last
+    #: per layer, the pool's whole L1 (keys, values) arrays when the pages are local, so the
+    #: context is read with one ``index_select`` over ``block`` instead of a concatenation
+    stores: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    block: torch.Tensor | None = None  #: L1 indices of the pages, in chain order
+
+    @property
+    def ctx_len(self) -> int:
+        return self.start + self.q_len
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """The flattened inputs of one step."""
+
+    input_ids: torch.Tensor  #: (T,) token ids; rows replaced by ``embeds`` are ignored
+    positions: torch.Tensor  #: (T,) absolute positions
+    seqs: list[SeqSlice]  #: in the order their tokens appear in input_ids
+    embeds: torch.Tensor | None = None  #: (E, hidden) rows to place at ``embed_rows``
+    embed_rows: torch.Tensor | None = None  #: (E,) indices into the T flattened tokens
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  #: reserved for model I/O keys
+
+
+class _Layer:
+    __slots__ = ("down", "gate", "k", "k_b", "ln1", "ln2", "o", "q", "q_b", "up", "v", "v_b")
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str) -> None:
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.q, self.k, self.v = (
+            w[a + "q_proj.weight"],
+            w[a + "k_proj.weight"],
+            w[a + "v_proj.weight"],
+        )
+        self.q_b, self.k_b = w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias")
+        self.v_b = w.get(a + "v_proj.bias")
+        self.o = w[a + "o_proj.weight"]
+        self.gate, self.up, self.down = (
+            w[m + "gate_proj.weight"],
+            w[m + "up_proj.weight"],
+            w[m + "down_proj.weight"],
+        )
+        self.ln1 = w[prefix + "input_layernorm.weight"]
+        self.ln2 = w[prefix + "post_attention_layernorm.weight"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back before the weight (as the reference does)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class LlamaModel:
+    """Weights of a Llama-family decoder and its forward pass over paged KV."""
+
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
+        self.cfg = cfg  #: the model's shape
+        self.device = device  #: where weights and activations live
+        self.embed = weights["model.embed_tokens.weight"]  #: (vocab, hidden)
+        self.lm_head = weights.get("lm_head.weight", self.embed)  #: tied when absent
+        self.norm = weights["model.norm.weight"]  #: final RMSNorm
+        self.layers = [_Layer(weights, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.dtype = self.embed.dtype  #: compute dtype (float32, bfloat16, float16)
+        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_params)
+        self.rope = RotaryEmbedding(inv.to(device))
+        self.scale = cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits (N, vocab) for the sequences that want them."""
+        cfg = self.cfg
+        h = F.embedding(batch.input_ids, self.embed)
+        if batch.embeds is not None and batch.embed_rows is not None:
+            h[batch.embed_rows] = batch.embeds.to(h.dtype)
+        cos, sin = self.rope(batch.positions, h.dtype)
+        masks = [_mask(s, cfg.sliding_window, h.device) for s in batch.seqs]
+        decode = _DecodeGroup.build(batch.seqs, cfg.sliding_window)
+        for li, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
+            q = F.linear(x, layer.q, layer.q_b).view(-1, cfg.num_heads, cfg.head_dim)
+            k = F.linear(x, layer.k, layer.k_b).view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = F.linear(x, layer.v, layer.v_b).view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            attn = self._attention(li, q, k, v, batch.seqs, masks, decode)
+            h = h + F.linear(attn, layer.o)
+            x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)
+            h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+        last = _last_rows(batch.seqs, h.device)
+        out = rms_norm(h[last], self.norm, cfg.rms_norm_eps)
+        return F.linear(out, self.lm_head).float()
+
+    def _attention(
+        self,
+        li: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqs: list[SeqSlice],
+        masks: list[torch.Tensor | None],
+        decode: _DecodeGroup | None,
+    ) -> torch.Tensor:
+        outs: list[torch.Tensor] = []
+        row = 0
+        if decode is not None:  # the leading decode steps, as one batched attention
+            outs.append(
+                decode.attend(li, q[: decode.size], k[: decode.size], v[: decode.size], self.scale)
+            )
+            row = decode.size
+        for s, mask in zip(seqs[row:], masks[row:], strict=True):
+            kn, vn = k[row : row + s.q_len], v[row : row + s.q_len]
+            _write_pages(s.k_pages[li], s.start, kn)
+            _write_pages(s.v_pages[li], s.start, vn)
+            if s.start == 0:
+                keys, values = kn, vn
+            elif s.stores is not None and s.block is not None:
+                keys = _read_store(s.stores[li][0], s.block, s.ctx_len)
+                values = _read_store(s.stores[li][1], s.block, s.ctx_len)
+            else:
+                keys = _read_pages(s.k_pages[li], s.ctx_len)
+                values = _read_pages(s.v_pages[li], s.ctx_len)
+            qs = q[row : row + s.q_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None and s.q_len > 1,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            outs.append(o.squeeze(0).transpose(0, 1).reshape(s.q_len, -1))
+            row += s.q_len
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class _DecodeGroup:
+    """The leading one-token steps of a batch whose pages sit in the pool's L1 arrays: their
+    KV is written with one indexed store and read with one gather, and attention runs as one
+    padded batch (the per-layer cost no longer grows with a Python loop over sequences)."""
+
+    __slots__ = ("mask", "offs", "pages", "size", "stores", "table")
+
+    def __init__(
+        self,
+        stores: list[tuple[torch.Tensor, torch.Tensor]],
+        size: int,
+        pages: torch.Tensor,
+        offs: torch.Tensor,
+        table: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> None:
+        self.stores = stores  #: per layer the pool's L1 (k, v) arrays
+        self.size = size  #: sequences in the group (the first ``size`` rows of the batch)
+        self.pages = pages  #: (B,) L1 page each new token is written to
+        self.offs = offs  #: (B,) offset in that page
+        self.table = table  #: (B, max_pages) L1 pages of each sequence, padded
+        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) which positions to attend
+
+    @classmethod
+    def build(cls, seqs: list[SeqSlice], window: int | None) -> _DecodeGroup | None:
+        group: list[SeqSlice] = []
+        for s in seqs:
+            if s.q_len != 1 or s.start == 0 or s.stores is None or s.block is None:
+                break
+            group.append(s)
+        if len(group) < 2:
+            return None
+        stores = group[0].stores
+        assert stores is not None
+        page_tokens = stores[0][0].shape[1]
+        used = [-(-s.ctx_len // page_tokens) for s in group]
+        width = max(used)
+        blocks = [s.block[:n] for s, n in zip(group, used, strict=True) if s.block is not None]
+        # pad with the sequence's own first page: written, finite data (masked out anyway;
+        # an unwritten page could hold NaN bit patterns, and 0 * NaN poisons the softmax sum)
+        table = torch.stack([F.pad(b, (0, width - b.shape[0]), value=int(b[0])) for b in blocks])
+        device = table.device
+        last = torch.tensor([s.start for s in group], device=device)
+        rows = torch.arange(len(group), device=device)
+        pages = table[rows, last // page_tokens]
+        offs = last % page_tokens
+        k_pos = torch.arange(width * page_tokens, device=device)[None, :]
+        mask = k_pos <= last[:, None]
+        if window is not None:
+            mask &= k_pos > last[:, None] - window
+        return cls(stores, len(group), pages, offs, table, mask[:, None, None, :])
+
+    def attend(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        k_store, v_store = self.stores[li]
+        k_store[self.pages, self.offs] = k
+        v_store[self.pages, self.offs] = v
+        b = self.size
+        flat, shape = self.table.flatten(), (b, -1, *k_store.shape[2:])
+        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)  # (B, kv_heads, L, d)
+        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
+        )
+        return o.reshape(b, -1)
+
+
+def _write_pages(pages: list[torch.Tensor], start: int, new: torch.Tensor) -> None:
+    page_tokens = pages[0].shape[0]
+    pos, end, src = start, start + new.shape[0], 0
+    while pos < end:
+        page, off = divmod(pos, page_tokens)
+        n = min(page_tokens - off, end - pos)
+        pages[page][off : off + n].copy_(new[src : src + n])
+        pos, src = pos + n, src + n
+
+
+def _read_pages(pages: list[torch.Tensor], length: int) -> torch.Tensor:
+    page_tokens = pages[0].shape[0]
+    used = -(-length // page_tokens)
+    return torch.cat(pages[:used])[:length] if used > 1 else pages[0][:length]
+
+
+def _read_store(store: torch.Tensor, block: torch.Tensor, length: int) -> torch.Tensor:
+    used = -(-length // store.shape[1])
+    return store.index_select(0, block[:used]).flatten(0, 1)[:length]
+
+
+def _mask(s: SeqSlice, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """A bool mask (q_len, ctx_len) where plain causal (or nothing, for one token) will not do."""
+    if s.q_len == 1 and (window is None or s.ctx_len <= window):
+        return None
+    if s.start == 0 and (window is None or s.ctx_len <= window):
+        return None  # is_causal handles it
+    q_pos = torch.arange(s.start, s.ctx_len, device=device)[:, None]
+    k_pos = torch.arange(s.ctx_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+def _last_rows(seqs: list[SeqSlice], device: torch.device) -> torch.Tensor:
+    rows, end = [], 0
+    for s in seqs:
+        end += s.q_len
+        if s.want_logits:
+            rows.append(end - 1)
+    return torch.tensor(rows, dtype=torch.long, device=device)

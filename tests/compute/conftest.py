@@ -1,0 +1,123 @@
+"""Tiny random-init checkpoints (Llama, Qwen2, Mistral) with a locally trained tokenizer, and
+``transformers`` as the reference they are checked against."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omniflow.compute import GenerateRequest, SamplingParams, TorchEngine
+from omniflow.compute._tiny import make_tiny_model
+
+#: name -> (arch, extra config). Sharded Mistral exercises the safetensors index; the Llama
+#: variants cover the RoPE scalings; tied embeddings ride on one of them.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama3rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    "linrope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "layers": 3}),
+    "qwen2": ("qwen2", {"kv_heads": 1}),
+    "mistral": ("mistral", {"max_shard_size": "40KB", "sliding_window": 48, "head_dim": 32}),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            arch, extra = MODELS[name]
+            extra = dict(extra)
+            layers = extra.pop("layers", 2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                made[name] = make_tiny_model(
+                    tmp_path_factory.mktemp(name), arch=arch, layers=layers, **extra
+                )
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference() -> Callable[[Path], Any]:
+    """The transformers model of a directory (cached per directory)."""
+    cache: dict[Path, Any] = {}
+
+    def get(path: Path) -> Any:
+        if path not in cache:
+            from transformers import AutoModelForCausalLM
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[path] = AutoModelForCausalLM.from_pretrained(path).eval()
+        return cache[path]
+
+    return get
+
+
+def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` of ``n`` tokens (EOS not special, no padding)."""
+    x = torch.tensor([ids])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return list(out[0, len(ids) :].tolist())
+
+
+def greedy(n: int = 64) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def run(engine: TorchEngine, req: GenerateRequest) -> tuple[list[int], int]:
+    """(generated ids, cached_tokens) of one request."""
+    ids, cached = [], -1
+    async for out in engine.generate(req):
+        ids.append(out.token_id)
+        cached = out.cached_tokens
+    return ids, cached
+
+
+@pytest.fixture
+async def engine_factory() -> AsyncIterator[Callable[..., Any]]:
+    """Started engines, stopped (and their pools checked) at teardown."""
+    engines: list[TorchEngine] = []
+
+    async def make(path: Path, **kwargs: Any) -> TorchEngine:
+        engine = TorchEngine(path, **kwargs)
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        pool: Any = engine.kv_pool
+        if pool is not None:
+            pool.validate()
+            assert pool.stats()["pinned"] == 0, "a finished test left pages pinned"
+        await engine.stop()
