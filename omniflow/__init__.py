@@ -18,10 +18,12 @@ from omniflow._exceptions import (
     InputError,
     NodeError,
     OmniflowError,
+    PoolExhaustedError,
     RegistryError,
     RuntimeClosedError,
     TransportError,
 )
+from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
     ActivationContext,
@@ -39,6 +41,37 @@ from omniflow.runtime import Call, Deploy, Frame, Runtime
 
 __version__ = "0.1.0"
 
+#: Compute Flow names, imported on first use so ``import omniflow`` does not load torch.
+_COMPUTE = frozenset(
+    {
+        "EncoderCache",
+        "Engine",
+        "EngineError",
+        "GenerateRequest",
+        "KvPoolBarrier",
+        "ModelLoadError",
+        "RequestError",
+        "SamplingParams",
+        "SkipCopyBuffer",
+        "SkipCopyParameter",
+        "StepOutput",
+        "TorchEngine",
+        "pages_that_fit",
+        "shared_module",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _COMPUTE:
+        from omniflow import compute
+
+        value = getattr(compute, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'omniflow' has no attribute {name!r}")
+
+
 __all__ = [
     "ALL",
     "ActivationContext",
@@ -46,25 +79,44 @@ __all__ = [
     "DataError",
     "DataTimeoutError",
     "Deploy",
+    "EncoderCache",
+    "Engine",
+    "EngineError",
     "Frame",
+    "GenerateRequest",
     "GlobalParameters",
     "GlobalParametersRef",
     "Graph",
     "GraphError",
     "InputError",
+    "KvPoolBarrier",
+    "Match",
+    "ModelLoadError",
     "NodeError",
     "OmniflowError",
+    "PageLayout",
+    "ParamsPool",
     "Placeholder",
+    "PoolExhaustedError",
     "RegistryError",
+    "RequestError",
     "Role",
     "RoleRef",
     "Runtime",
     "RuntimeClosedError",
+    "SamplingParams",
+    "SkipCopyBuffer",
+    "SkipCopyParameter",
     "StaticPlan",
+    "StepOutput",
+    "TorchEngine",
     "TransportError",
+    "chain_hashes",
     "context",
     "interface",
     "load_graphs",
+    "pages_that_fit",
     "parse",
     "parse_graphs",
+    "shared_module",
 ]

@@ -5,12 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v dot >/dev/null 2>&1; then
+# Debian tools the tests use: redis-server (private servers on free ports), graphviz (plan
+# pictures), espeak-ng and sox (the omni_chat graph speaks WAV files and the tests read them).
+missing=""
+for tool in redis-server:redis-server dot:graphviz espeak-ng:espeak-ng soxi:sox; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || missing="$missing ${tool##*:}"
+done
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server graphviz >/dev/null
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
-    echo "warning: redis-server or graphviz missing and cannot apt-get; some tests will fail" >&2
+    echo "warning: missing$missing and cannot apt-get; some tests will fail" >&2
   fi
 fi
 
@@ -18,8 +25,20 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 \
-  | grep -v -E '^WARNING: Location' || true
+# Reinstall only when the declared dependencies changed (or the venv is new): a stamp holds the
+# hash of pyproject.toml that the last successful install saw.
+stamp=.venv/.omniflow-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "error: pip install -e '.[dev]' failed" >&2
+    exit 1
+  fi
+  rm -f "$log"
+  echo "$want" > "$stamp"
+fi
 .venv/bin/python -m pip check >/dev/null 2>&1 || true
 
 set +e
