@@ -51,10 +51,10 @@ async def resolve_pool(engine: TorchEngine, model: LlamaModel) -> PagePool:
     """The engine's pool: the object given, the graph's pool of that name, or a private one."""
     arg: Any = engine._pool_arg
     if isinstance(arg, str):
-        import omniflow as of
+        from omniflow.dsl import context  # lazy: compute imports without a role running
 
         try:
-            pools = of.context().pools
+            pools = context().pools
         except Exception as exc:
             raise EngineError(
                 f"TorchEngine(pool={arg!r}) looks the pool up in the role's context; start the "
