@@ -25,6 +25,7 @@ from omniflow.data import (
     PoolExhaustedError,
     SharedBufferPool,
 )
+from omniflow.data._pool import SEGMENT_PREFIX_ENV
 
 MakePool = Callable[..., SharedBufferPool]
 KB = 1024
@@ -262,3 +263,16 @@ def test_an_unrelated_process_attaching_does_not_unlink_the_segment(make_pool: M
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "[0, 1, 2, 3]", "")
     assert os.path.exists(f"/dev/shm/{pool.name}")
     assert pool.get_array(handle).tolist() == [0, 1, 2, 3]
+
+
+def test_segment_names_take_the_environment_prefix(
+    make_pool: MakePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert make_pool(4096).name.startswith("omniflow_")
+    monkeypatch.setenv(SEGMENT_PREFIX_ENV, "omniflow_t42")
+    pool = make_pool(4096)
+    assert pool.name.startswith("omniflow_t42_") and os.path.exists(f"/dev/shm/{pool.name}")
+    for bad in ("", "../etc", "a b", "x" * 65):
+        monkeypatch.setenv(SEGMENT_PREFIX_ENV, bad)
+        with pytest.raises(ValueError, match=r"SHM_PREFIX=.* is not a segment name prefix"):
+            SharedBufferPool(4096)
