@@ -83,6 +83,10 @@ def file_summaries(data_file: Path) -> dict[str, dict[str, Any]]:
 
     cov = coverage.Coverage(data_file=str(data_file), config_file=str(ROOT / "pyproject.toml"))
     cov.load()
+    # A worker that exited after pytest-cov combined left its own data file: fold it in.
+    if list(data_file.parent.glob(data_file.name + ".*")):
+        cov.combine(data_paths=[str(data_file.parent)], keep=False)
+        cov.save()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "coverage.json"
         cov.json_report(outfile=str(out))

@@ -436,8 +436,9 @@ def _build(
             )
         for mname, spec in ifaces:
             ns = _node_spec(gname, rname, role, mname, spec)
-            if ns.name in specs:
-                raise GraphError(f"duplicate node name '{ns.name}'", graph=gname, node=ns.name)
+            # Role names are identifiers (checked above) and unique keys, method names unique
+            # per role: "<role>.<method>" cannot repeat.
+            assert ns.name not in specs, ns.name
             specs[ns.name] = ns
 
     placeholders = [p.name for p in g.inputs]
