@@ -14,6 +14,9 @@ import torch
 
 import omniflow as of
 
+#: Every test here spawns processes.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(120)
 async def test_process_b_reads_process_a_chain_through_l2_without_a_copy(

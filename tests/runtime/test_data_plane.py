@@ -29,6 +29,8 @@ from omniflow.data._pool import SEGMENT_PREFIX_ENV
 from . import dp_graphs as dg
 
 ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
+#: Every test here starts worker processes.
+pytestmark = pytest.mark.slow
 PAIR = ("dp_src.run", "dp_dst.run")
 GRAPHS = {g.name: g for g in of.load_graphs(Path(dg.__file__))}
 #: Small values too: every sample goes through the data plane (0-d ones included).

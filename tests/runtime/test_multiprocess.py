@@ -39,6 +39,8 @@ from . import mp_graphs as mp
 
 GRAPH_FILE = str(Path(mp.__file__).resolve())
 ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
+#: Every test here starts worker processes.
+pytestmark = pytest.mark.slow
 #: Registry heartbeat of every process in these tests; the registry ttl is 3 of them.
 HEARTBEAT = 0.2
 

@@ -44,7 +44,7 @@ from omniflow.transport._protocol import (
 
 from . import mp_graphs as mp
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # every test starts workers
 
 KEY = "test-cluster-key-0123456789abcdef"
 WRONG = b"wrong-cluster-key-0123456789abcd"
