@@ -59,6 +59,7 @@ def _reference(
     return x
 
 
+@pytest.mark.slow
 def test_dit_reads_llm_pages_in_place_and_matches_reference(tmp_path: Path) -> None:
     llm_dir = make_tiny_model(tmp_path / "llm", hidden_size=64, layers=2, heads=4, kv_heads=2)
     llm = load_model(llm_dir, device="cpu", dtype="float32")

@@ -172,6 +172,7 @@ async def test_subscribers_get_one_batch_per_publish_of_their_chain(
     assert (await pub.dump(P))["subs"] == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_eight_clients_race_publish_match_evict(backend: Any) -> None:
     """8 clients, 10k operations: no chain points at an evicted page, no provider without it."""

@@ -200,6 +200,7 @@ async def test_async_context_manager_and_attachment_close(make_pool: MakePool) -
     assert pool.closed
 
 
+@pytest.mark.slow
 def test_a_forgotten_pool_warns_and_unlinks() -> None:
     pool = SharedBufferPool(4 * KB, chunk_size=KB)
     name = pool.name
@@ -216,6 +217,7 @@ def spawn_executor() -> ProcessPoolExecutor:
     return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
 
+@pytest.mark.slow
 def test_another_process_reads_and_writes_arrays_bit_identically(make_pool: MakePool) -> None:
     pool = make_pool(256 * KB, chunk_size=KB)
     arrays = workers.sample_arrays()
@@ -231,6 +233,7 @@ def test_another_process_reads_and_writes_arrays_bit_identically(make_pool: Make
     assert pool.release_owner("call") == 2 * len(arrays)
 
 
+@pytest.mark.slow
 def test_another_process_reads_and_writes_tensors_bit_identically(make_pool: MakePool) -> None:
     pytest.importorskip("torch")
     pool = make_pool(512 * KB, chunk_size=KB)

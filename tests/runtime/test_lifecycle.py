@@ -212,6 +212,7 @@ async def _storm(rt: of.Runtime, n: int, seed: int) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_storm_of_1000_calls_inproc() -> None:
     rt = build("inproc", lg.life, lg.quick)
