@@ -287,10 +287,13 @@ def encode_msg(msg: Message) -> list[Buffer]:
     return encode(list(msg), kind=_KIND[type(msg)], pickle=True)
 
 
-def decode_msg(frames: list[Any]) -> Message:
-    """The message in already authenticated ``frames``; ProtocolError for anything else."""
+def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
+    """The message in already authenticated ``frames``; ProtocolError for anything else.
+
+    Big values come back as owned, writable copies (``owned=True``, what a method must get);
+    ``owned=False`` leaves them views of the frames, for a receiver that copies them itself."""
     try:
-        kind, body = decode_message(frames, allow_pickle=True, owned=True)
+        kind, body = decode_message(frames, allow_pickle=True, owned=owned)
     except TransportError as exc:
         raise ProtocolError(str(exc), "malformed") from None
     except Exception as exc:  # an authenticated pickle that fails to load
