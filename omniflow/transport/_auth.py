@@ -207,8 +207,9 @@ class _Keys:
 
     def __init__(self, key: bytes) -> None:
         self.hmac = _HmacSha256(key)
-        # The bulk key is a PRF output of the cluster key on a label no message's covered
-        # bytes can equal (they start with _MAGIC): the two MACs have independent keys.
+        # The bulk key is a PRF output of the cluster key on a label nothing else HMACs under
+        # that key can equal: sealed messages start with _MAGIC, registry and KV pool records
+        # are JSON ("{" or "["). So the two MACs have independent keys.
         self._bulk = _HmacSha256(self.hmac.mac(_BULK_LABEL))
 
     def one_time_key(self, head: bytes) -> bytes:

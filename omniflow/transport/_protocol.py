@@ -23,7 +23,7 @@ A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front a
 first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
 cancellation, and the formatted traceback ``tb``.
 
-On the wire a message is sealed (``_auth``: an HMAC over every frame, checked before anything
+On the wire a message is sealed (``_auth``: a MAC over every frame, checked before anything
 is decoded) around the codec's envelope: ``kind`` and the message's fields as a msgpack array
 in declaration order. Field values that are not plain data (a frame's objects, a DataRef) are
 pickled, and are unpickled only once the MAC held. ``decode_msg`` checks the kind and every
