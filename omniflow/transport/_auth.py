@@ -54,10 +54,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.ciphers import Cipher
-from cryptography.hazmat.primitives.ciphers.algorithms import AES
-from cryptography.hazmat.primitives.ciphers.modes import GCM
-
 from omniflow._exceptions import TransportError
 
 __all__ = [
@@ -226,14 +222,31 @@ class _Keys:
                 mac.update(n.to_bytes(8, "big"))
                 mac.update(frame)
             return mac.digest()
-        gmac = Cipher(AES(self.one_time_key(head)), GCM(_NONCE)).encryptor()
+        gmac = _gcm(self.one_time_key(head))
         gmac.authenticate_additional_data(head)
         for frame, n in zip(frames, sizes, strict=True):
             gmac.authenticate_additional_data(n.to_bytes(8, "big"))
             if n:
                 gmac.authenticate_additional_data(_octets(frame))
         gmac.finalize()
-        return gmac.tag + _PAD
+        return bytes(gmac.tag) + _PAD
+
+
+def _gcm(key: bytes) -> Any:
+    """An AES-256-GCM encryptor under ``key``. ``cryptography`` is imported on first use (a
+    process that never sees a bulk message does not pay its import), then kept here."""
+    global _GCM_PARTS
+    if _GCM_PARTS is None:
+        from cryptography.hazmat.primitives.ciphers import Cipher
+        from cryptography.hazmat.primitives.ciphers.algorithms import AES
+        from cryptography.hazmat.primitives.ciphers.modes import GCM
+
+        _GCM_PARTS = (Cipher, AES, GCM(_NONCE))
+    cipher, aes, mode = _GCM_PARTS
+    return cipher(aes(key), mode).encryptor()
+
+
+_GCM_PARTS: tuple[Any, Any, Any] | None = None
 
 
 def _nbytes(frame: Any) -> int:
