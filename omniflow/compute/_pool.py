@@ -13,8 +13,7 @@ from omniflow.compute._errors import EngineError
 from omniflow.compute._kv import PagePool, kv_slices, layer_names
 
 if TYPE_CHECKING:
-    from omniflow.compute._engine import TorchEngine
-    from omniflow.compute._model import LlamaModel
+    from omniflow.compute._base import EngineBase
 
 __all__ = ["chain_hashes", "pool_for", "resolve_pool"]
 
@@ -47,9 +46,13 @@ def pool_for(
     return ParamsPool(name, layout, capacity or {"l1": 4096, "l2": 0, "l3": 0}, **kwargs)
 
 
-async def resolve_pool(engine: TorchEngine, model: LlamaModel) -> PagePool:
-    """The engine's pool: the object given, the graph's pool of that name, or a private one."""
+async def resolve_pool(engine: EngineBase[Any, Any, Any], model: Any) -> PagePool:
+    """The engine's pool: the object given, the graph's pool of that name, or a private one.
+
+    ``model`` is any of our models: ``cfg`` (``num_layers``, ``num_kv_heads``, ``head_dim``),
+    ``device`` and ``dtype`` say which layout its KV pages need."""
     arg: Any = engine._pool_arg
+    kind = type(engine).__name__
     if isinstance(arg, str):
         import omniflow as of
 
@@ -57,7 +60,7 @@ async def resolve_pool(engine: TorchEngine, model: LlamaModel) -> PagePool:
             pools = of.context().pools
         except Exception as exc:
             raise EngineError(
-                f"TorchEngine(pool={arg!r}) looks the pool up in the role's context; start the "
+                f"{kind}(pool={arg!r}) looks the pool up in the role's context; start the "
                 "engine from the role's setup() or pass the ParamsPool object itself"
             ) from exc
         if arg not in pools:
@@ -85,7 +88,7 @@ async def resolve_pool(engine: TorchEngine, model: LlamaModel) -> PagePool:
     return pool
 
 
-def _check_layout(pool: Any, model: LlamaModel) -> None:
+def _check_layout(pool: Any, model: Any) -> None:
     layout = getattr(pool, "layout", None)
     if layout is None:
         return
