@@ -35,7 +35,7 @@ from omniflow.compute._colocate import PoolSeat
 from omniflow.compute._errors import EngineError, ModelLoadError
 from omniflow.compute._kv import PagePool
 
-__all__ = ["EngineBase", "engine_for_architecture", "read_architectures"]
+__all__ = ["EngineBase", "Outbox", "engine_for_architecture", "read_architectures"]
 
 #: architecture name (config.json "architectures") -> the engine class that runs it
 _ENGINES: dict[str, type[EngineBase[Any, Any, Any]]] = {}
@@ -51,6 +51,9 @@ class _Seq(Protocol):
     finish_reason: str | None
 
 
+SeqT = TypeVar("SeqT")
+
+
 class StreamLike(Protocol):
     """A request's outbox, as the base loop sees it (``_stream.Stream`` for the LLM)."""
 
@@ -64,6 +67,31 @@ class StreamLike(Protocol):
     def fail(self, exc: BaseException) -> None: ...
 
     async def next(self) -> Any: ...
+
+
+class Outbox(Generic[SeqT]):
+    """The plainest ``StreamLike``: outputs queued as the loop pushes them (the DiT's)."""
+
+    __slots__ = ("_queue", "closed", "final", "released", "seq")
+
+    def __init__(self, seq: SeqT) -> None:
+        self.seq = seq  #: the engine's record
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.closed = False  #: no more outputs will be computed
+        self.final: Any = None  #: the last output, delivered after the pins are released
+        self.released = asyncio.Event()  #: set once the pool slots are released
+
+    def push(self, out: Any) -> None:
+        self._queue.put_nowait(out)
+
+    def fail(self, exc: BaseException) -> None:
+        self._queue.put_nowait(exc)
+
+    async def next(self) -> Any:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 class _Scheduler(Protocol):
