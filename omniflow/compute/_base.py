@@ -232,22 +232,24 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
                 return
             if self._stopped:
                 raise EngineError(f"engine for {str(self.model_dir)!r} was stopped; make a new one")
-            self._check_architecture()
             loop = asyncio.get_running_loop()
             self._ready = loop.create_future()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="omniflow-engine")
             seat = self._pool_arg if isinstance(self._pool_arg, PoolSeat) else None
             try:
+                self._check_architecture()
                 model = await loop.run_in_executor(self._executor, self._load_model)
                 self._loaded(model)
+                if seat is not None:
+                    seat.propose()  # weights are in: the barrier may size the pool now
+                else:
+                    await self._open(model)
             except BaseException as exc:
                 if seat is not None:
-                    seat.abort(exc)
+                    seat.abort(exc)  # partners waiting at the barrier fail now, not at timeout
+                self._executor.shutdown(wait=False)
+                self._executor, self._ready = None, None  # start() may be retried
                 raise
-            if seat is not None:
-                seat.propose()  # weights are in: the barrier may size the pool now
-            else:
-                await self._open(model)
             self._task = loop.create_task(self._run(model), name="omniflow-engine-loop")
             self._task.add_done_callback(self._loop_ended)
 

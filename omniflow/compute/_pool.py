@@ -15,7 +15,7 @@ from omniflow.compute._kv import PagePool, kv_slices, layer_names
 if TYPE_CHECKING:
     from omniflow.compute._base import EngineBase
 
-__all__ = ["chain_hashes", "pool_for", "resolve_pool"]
+__all__ = ["chain_hashes", "layout_for", "pool_for", "resolve_pool"]
 
 
 def chain_hashes(pages: Sequence[list[int] | bytes]) -> list[str]:
@@ -35,15 +35,22 @@ def pool_for(
     **kwargs: Any,
 ) -> Any:
     """A ``ParamsPool`` laid out for ``cfg``: one sub_name per layer, slices ``k`` and ``v``."""
-    from omniflow.data.kv import PageLayout, ParamsPool
+    from omniflow.data.kv import ParamsPool
 
-    layout = PageLayout(
+    layout = layout_for(cfg, page_tokens=page_tokens, dtype=dtype)
+    return ParamsPool(name, layout, capacity or {"l1": 4096, "l2": 0, "l3": 0}, **kwargs)
+
+
+def layout_for(cfg: ModelConfig, *, page_tokens: int = 16, dtype: str = "float32") -> Any:
+    """The ``PageLayout`` of ``cfg``'s KV pages (e.g. for a co-located ``KvPoolBarrier``)."""
+    from omniflow.data.kv import PageLayout
+
+    return PageLayout(
         sub_names=layer_names(cfg.num_layers),
         slices=kv_slices(cfg),
         page_tokens=page_tokens,
         dtype=dtype,
     )
-    return ParamsPool(name, layout, capacity or {"l1": 4096, "l2": 0, "l3": 0}, **kwargs)
 
 
 async def resolve_pool(engine: EngineBase[Any, Any, Any], model: Any) -> PagePool:
