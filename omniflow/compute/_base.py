@@ -299,8 +299,9 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             stream.fail(EngineError("the engine was stopped"))
             self._cancel(stream)
         self._wake.set()
-        if self._ready is not None and not self._ready.done():
-            self._ready.cancel()
+        if self._ready is not None and not self._ready.done():  # still waiting at a barrier
+            self._ready.set_exception(EngineError("the engine was stopped"))
+            self._ready.exception()  # retrieved here; waiters get it re-raised
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -165,5 +165,14 @@ def test_an_engine_that_fails_to_load_fails_its_partners(tmp_path: Path) -> None
         with pytest.raises(EngineError, match="not co-located"):
             barrier.member("vae", 1)
         await llm.stop()
+        # stopped while still waiting for its partner: the waiter hears so
+        lonely = KvPoolBarrier("kv", layout, members=("llm", "dit"))
+        llm = TorchEngine(llm_dir, pool=lonely.member("llm", 300), device="cpu")
+        await llm.start()
+        waiting = asyncio.ensure_future(llm.prefill(GenerateRequest(input_ids=[5], session="s")))
+        await asyncio.sleep(0)
+        await llm.stop()
+        with pytest.raises(EngineError, match="stopped"):
+            await waiting
 
     asyncio.run(go())
