@@ -254,14 +254,16 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             self._task.add_done_callback(self._loop_ended)
 
     def _check_architecture(self) -> None:
+        """Refuse a checkpoint another engine claims, naming that engine. Architectures nobody
+        claims are left to the loader (``TorchEngine`` goes by ``model_type``, so old spellings
+        such as ``LLaMAForCausalLM`` still load)."""
         archs = read_architectures(self.model_dir)
-        if not archs or set(archs) & self.architectures:
-            return
         other = engine_for_architecture(self.model_dir)
-        hint = f"run it with {other.__name__}" if other is not None else "no engine runs it"
+        if other is None or set(archs) & self.architectures or issubclass(type(self), other):
+            return
         raise ModelLoadError(
             f"{self.model_dir / 'config.json'} names architectures {list(archs)}, which "
-            f"{type(self).__name__} does not run ({sorted(self.architectures)}); {hint}",
+            f"{type(self).__name__} does not run; run it with {other.__name__}",
             path=str(self.model_dir),
         )
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import shutil
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -262,11 +264,19 @@ async def test_bad_requests_get_typed_actionable_errors(
     assert pool.stats()["pinned"] == 0
 
 
-async def test_each_engine_runs_only_its_architecture(dirs: tuple[Path, Path]) -> None:
+async def test_each_engine_runs_only_its_architecture(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
     with pytest.raises(ModelLoadError, match="run it with DiTEngine"):
         await TorchEngine(dirs[1], device="cpu").start()
     with pytest.raises(ModelLoadError, match="run it with TorchEngine"):
         await DiTEngine(dirs[0], device="cpu").start()
+    # an architecture nobody claims is left to the loader (TorchEngine reads model_type)
+    old = shutil.copytree(dirs[0], tmp_path / "old")
+    cfg = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**cfg, "architectures": ["LLaMAForCausalLM"]}))
+    async with TorchEngine(old, device="cpu") as engine:
+        assert engine.config is not None and engine.config.model_type == "llama"
     with pytest.raises(EngineError, match="not started"):
         await denoise(DiTEngine(dirs[1]), DenoiseRequest())
     assert of.DiTEngine is DiTEngine
