@@ -129,13 +129,19 @@ class DitModel:
             + F.linear(F.silu(temb), w["t_proj.weight"])
             + w["pos_embed.weight"][index]
         )
+        group = _PictureGroup.build(batch.seqs)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             a = rms_norm(h, w[p + "ln1.weight"], cfg.rms_norm_eps)
             q = F.linear(a, w[p + "q.weight"]).view(-1, cfg.num_heads, cfg.head_dim)
             k = F.linear(a, w[p + "k.weight"]).view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = F.linear(a, w[p + "v.weight"]).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            h = h + F.linear(self._attention(i, q, k, v, batch.seqs), w[p + "o.weight"])
+            attn = (
+                group.attend(i, q, k, v, self.scale)
+                if group is not None
+                else self._attention(i, q, k, v, batch.seqs)
+            )
+            h = h + F.linear(attn, w[p + "o.weight"])
             m = rms_norm(h, w[p + "ln2.weight"], cfg.rms_norm_eps)
             h = h + F.linear(F.gelu(F.linear(m, w[p + "up.weight"])), w[p + "down.weight"])
         return F.linear(rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["out_proj.weight"])
@@ -144,7 +150,8 @@ class DitModel:
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: list[SeqSlice]
     ) -> torch.Tensor:
         """Per picture: write its image K/V after the context, read context + image K/V from
-        the pages (the LLM's paged read), attend without a mask (bidirectional)."""
+        the pages (the LLM's paged read), attend without a mask (bidirectional). Used when some
+        page is not a local L1 page (no block table); ``_PictureGroup`` otherwise."""
         outs: list[torch.Tensor] = []
         row = 0
         for s in seqs:
@@ -167,6 +174,73 @@ class DitModel:
             outs.append(o.squeeze(0).transpose(0, 1).reshape(s.q_len, -1))
             row += s.q_len
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class _PictureGroup:
+    """Every picture of a step whose pages sit in the pool's L1 arrays, attended as one padded
+    batch (as the LLM's ``_DecodeGroup`` does for decode steps): the image tokens' K/V go into
+    their pages with one indexed store, each picture's context + image K/V are gathered with one
+    ``index_select`` over a padded page table, and one SDPA call masks each picture to its own
+    length. All pictures of a DiT have the same ``num_tokens``."""
+
+    __slots__ = ("mask", "offs", "pages", "size", "stores", "table", "tokens")
+
+    def __init__(
+        self,
+        stores: list[tuple[torch.Tensor, torch.Tensor]],
+        size: int,
+        tokens: int,
+        pages: torch.Tensor,
+        offs: torch.Tensor,
+        table: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> None:
+        self.stores = stores  #: per layer the pool's L1 (k, v) arrays
+        self.size = size  #: pictures in the step
+        self.tokens = tokens  #: image tokens per picture
+        self.pages = pages  #: (B * tokens,) L1 page each image token's K/V is written to
+        self.offs = offs  #: (B * tokens,) offset in that page
+        self.table = table  #: (B, max_pages) L1 pages of each picture, padded
+        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) positions each picture attends
+
+    @classmethod
+    def build(cls, seqs: list[SeqSlice]) -> _PictureGroup | None:
+        if not seqs or any(s.stores is None or s.block is None for s in seqs):
+            return None
+        stores = seqs[0].stores
+        assert stores is not None
+        tokens = seqs[0].q_len
+        if any(s.q_len != tokens for s in seqs):
+            return None
+        page_tokens = stores[0][0].shape[1]
+        blocks = [s.block[: -(-s.ctx_len // page_tokens)] for s in seqs if s.block is not None]
+        width = max(b.shape[0] for b in blocks)
+        # pad with the picture's own first page: written, finite data (masked out anyway; an
+        # unwritten page could hold NaN bit patterns, and 0 * NaN poisons the softmax sum)
+        table = torch.stack([F.pad(b, (0, width - b.shape[0]), value=int(b[0])) for b in blocks])
+        device = table.device
+        pos = torch.cat([torch.arange(s.start, s.ctx_len, device=device) for s in seqs])
+        rows = torch.arange(len(seqs), device=device).repeat_interleave(tokens)
+        pages = table[rows, pos // page_tokens]
+        lens = torch.tensor([s.ctx_len for s in seqs], device=device)
+        mask = torch.arange(width * page_tokens, device=device)[None, :] < lens[:, None]
+        return cls(stores, len(seqs), tokens, pages, pos % page_tokens, table, mask[:, None, None])
+
+    def attend(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        k_store, v_store = self.stores[li]
+        k_store[self.pages, self.offs] = k
+        v_store[self.pages, self.offs] = v
+        b, n = self.size, self.tokens
+        flat, shape = self.table.flatten(), (b, -1, *k_store.shape[2:])
+        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)  # (B, kv_heads, L, d)
+        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
+        qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # (B, heads, n, d)
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
+        )
+        return o.transpose(1, 2).reshape(b * n, -1)
 
 
 def dit_tensor_names(cfg: DitConfig) -> list[str]:

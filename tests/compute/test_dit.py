@@ -27,7 +27,7 @@ from omniflow.compute import (
     RequestError,
     TorchEngine,
 )
-from omniflow.compute._dit import DitModel, load_dit, make_tiny_dit
+from omniflow.compute._dit import DitModel, _PictureGroup, load_dit, make_tiny_dit
 from omniflow.compute._loader import load_model
 from omniflow.compute._model import ForwardBatch, SeqSlice
 from omniflow.compute._tiny import make_tiny_model
@@ -298,3 +298,56 @@ async def test_private_pool_denoises_unconditioned(dirs: tuple[Path, Path]) -> N
         outs = await denoise(dit, DenoiseRequest(steps=3, seed=2))
         assert outs[-1].finished and outs[-1].context_tokens == 0
         assert dit.kv_pool is not None and dit.kv_pool.stats()["pinned"] == 0
+
+
+async def test_paged_views_and_the_grouped_attention_agree(
+    engines: tuple[TorchEngine, DiTEngine, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages in the pool's L1 arrays take the one-SDPA grouped path; without a block table the
+    per-picture view path runs. Both give the same picture."""
+    llm, dit, _ = engines
+    prefix = await llm.prefill(GenerateRequest(input_ids=PROMPT, session="s"))
+    grouped: list[int] = []
+    real = _PictureGroup.attend
+
+    def attend(self: _PictureGroup, *args: Any) -> torch.Tensor:
+        grouped.append(self.size)
+        return real(self, *args)
+
+    monkeypatch.setattr(_PictureGroup, "attend", attend)
+    req = lambda: DenoiseRequest(context=prefix, steps=3, seed=9)  # noqa: E731
+    fast = (await denoise(dit, req()))[-1].latents
+    assert grouped
+    grouped.clear()
+    monkeypatch.setattr(dit._runner, "_stores", None)  # as if a page were not a local L1 page
+    slow = (await denoise(dit, req()))[-1].latents
+    assert not grouped
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+async def test_garbage_in_fresh_pool_memory_never_reaches_a_picture(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """20 image tokens leave 12 unwritten positions in the picture's second page, which the
+    grouped attention gathers (masked): poison the whole pool with NaN first."""
+    dit_dir = make_tiny_dit(
+        tmp_path / "d20", heads=4, kv_heads=2, head_dim=16, layers=2, num_tokens=20
+    )
+    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 16, "l2": 0, "l3": 0})
+    await pool.open()
+    for layer in ("layer0", "layer1"):
+        for sl in ("k", "v"):
+            pool.storage(layer, sl).fill_(float("nan"))
+    llm, dit = TorchEngine(dirs[0], pool=pool, device="cpu"), DiTEngine(dit_dir, pool=pool)
+    async with llm, dit:
+        prefix = await llm.prefill(GenerateRequest(input_ids=PROMPT, session="s"))
+        outs = await asyncio.gather(
+            *(denoise(dit, DenoiseRequest(context=prefix, steps=3, seed=i)) for i in (1, 2))
+        )
+    model = load_dit(dit_dir)
+    ck, cv = contiguous_kv(dirs[0], PROMPT, 32)
+    for i, out in zip((1, 2), outs, strict=True):
+        assert torch.isfinite(out[-1].latents).all()
+        ref = reference(model, noise_of(i, model), ck, cv, 3)
+        torch.testing.assert_close(out[-1].latents, ref, rtol=1e-5, atol=1e-5)
+    await pool.aclose()
