@@ -134,7 +134,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pictures", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on shared cores)"
+    )
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.rounds, args.steps = 3, 4
     with tempfile.TemporaryDirectory() as tmp:
