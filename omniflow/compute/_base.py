@@ -113,7 +113,8 @@ def read_architectures(model_dir: str | Path) -> tuple[str, ...]:
     except FileNotFoundError as exc:
         raise ModelLoadError(
             f"model directory {str(model_dir)!r} has no config.json; point the engine at a "
-            "safetensors directory whose config.json names its architecture",
+            "Hugging Face-format directory (config.json, *.safetensors; tokenizer.json for an "
+            "LLM)",
             path=str(model_dir),
         ) from exc
     except (OSError, ValueError) as exc:
@@ -162,7 +163,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         self.max_batch = max_batch  #: sequences computed together
         self.device, self.dtype = device, dtype  #: as requested ("auto" resolved at start)
         self.page_tokens = page_tokens  #: tokens per KV page (a private pool's layout)
-        self.pool_pages = pool_pages  #: L1 pages of a private pool / the barrier proposal
+        self.pool_pages = pool_pages  #: L1 pages of a private pool
         self._pool_arg = pool
         self.kv_pool: PagePool | None = None  #: the ParamsPool in use once started
         self._streams: dict[str, StreamT] = {}  #: request_id -> live stream
