@@ -32,7 +32,9 @@ def test_t2i_unified_writes_a_valid_png() -> None:
             pool = mod._SHARED["barrier"].pool
             assert llm.kv_pool is pool and dit.kv_pool is pool  # one co-located pool
             assert dit.statistics()["steps"] == 2 * mod.STEPS
-            return fields, pngs, pool.stats()
+            stats = pool.stats()
+        assert pool.closed  # both engines stopped at teardown: the co-located pool is freed
+        return fields, pngs, stats
 
     fields, pngs, stats = asyncio.run(go())
     assert fields == ["preview", "png"] * 2

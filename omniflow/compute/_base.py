@@ -165,6 +165,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         self.page_tokens = page_tokens  #: tokens per KV page (a private pool's layout)
         self.pool_pages = pool_pages  #: L1 pages of a private pool
         self._pool_arg = pool
+        self._seat = pool if isinstance(pool, PoolSeat) else None  #: a co-located pool's seat
         self.kv_pool: PagePool | None = None  #: the ParamsPool in use once started
         self._streams: dict[str, StreamT] = {}  #: request_id -> live stream
         self._release: list[StreamT] = []  #: finished/aborted, slots to publish/free
@@ -236,7 +237,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             loop = asyncio.get_running_loop()
             self._ready = loop.create_future()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="omniflow-engine")
-            seat = self._pool_arg if isinstance(self._pool_arg, PoolSeat) else None
+            seat = self._seat
             try:
                 self._check_architecture()
                 model = await loop.run_in_executor(self._executor, self._load_model)
@@ -315,6 +316,8 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             self._executor.shutdown(wait=True)
         if self._own_pool and self.kv_pool is not None:
             await self.kv_pool.aclose()  # type: ignore[attr-defined]
+        if self._seat is not None:
+            await self._seat.leave()  # the last co-located engine to stop closes the pool
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -406,9 +409,8 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
 
     async def _open_seat(self, model: Any) -> None:
         """With a barrier seat: wait for the co-located pool, then open it."""
-        seat = self._pool_arg
-        if isinstance(seat, PoolSeat) and self._ready is not None and not self._ready.done():
-            self._pool_arg = await seat.wait()
+        if self._seat is not None and self._ready is not None and not self._ready.done():
+            self._pool_arg = await self._seat.wait()
             await self._open(model)
 
     async def _drain_releases(self) -> None:

@@ -103,6 +103,7 @@ class KvPoolBarrier:
         self._capacity = dict(capacity or {"l2": 0, "l3": 0})
         self._pool_kwargs = pool_kwargs
         self._done: asyncio.Future[ParamsPool] | None = None
+        self._left: set[str] = set()  #: members done with the pool (stopped or failed)
         self.pool: ParamsPool | None = None  #: the shared pool once decided
 
     def _future(self) -> asyncio.Future[ParamsPool]:
@@ -155,8 +156,16 @@ class KvPoolBarrier:
             )
         return PoolSeat(self, name, pages)
 
+    async def leave(self, member: str) -> None:
+        """``member`` is done with the pool (its engine stopped); the last member to leave
+        closes the pool, so a co-located pool lives exactly as long as its roles."""
+        self._left.add(member)
+        if self._left >= self._decision.members and self.pool is not None:
+            await self.pool.aclose()
+
     def abort(self, member: str, exc: BaseException) -> None:
         """``member`` will never join (its weights failed to load): fail every waiter now."""
+        self._left.add(member)
         self._decision.failed = (member, exc)
         done = self._future()
         if not done.done():
@@ -182,3 +191,6 @@ class PoolSeat:
 
     def abort(self, exc: BaseException) -> None:
         self.barrier.abort(self.member, exc)
+
+    async def leave(self) -> None:
+        await self.barrier.leave(self.member)
