@@ -24,7 +24,7 @@ import abc
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
@@ -223,6 +223,9 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
     def _detach(self, request_id: str) -> None:
         """Forget a released sequence's runner state."""
 
+    def _between_steps(self) -> None:
+        """After releases, before the next plan (e.g. inputs that arrived for open requests)."""
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Load weights and get the pool (idempotent; a role calls it from ``setup()``).
@@ -330,6 +333,13 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
     async def generate(self, request: ReqT) -> AsyncIterator[OutT]:
         """The request's outputs as they are computed; leaving the iterator aborts it."""
         stream = await self._submit(request)
+        async with contextlib.aclosing(self._deliver(stream)) as outs:  # closed with this one
+            async for out in outs:
+                yield out
+
+    async def _deliver(self, stream: StreamT) -> AsyncGenerator[OutT, None]:
+        """A stream's outputs up to the last; leaving early aborts the request, and returns only
+        once its slots are back in the pool."""
         try:
             while True:
                 out = await stream.next()
@@ -388,6 +398,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         loop = asyncio.get_running_loop()
         while True:
             await self._drain_releases()
+            self._between_steps()
             if not sched.has_work():
                 self._wake.clear()
                 await self._wake.wait()
