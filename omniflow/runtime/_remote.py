@@ -1,39 +1,59 @@
-"""Front side of the multi-process runtime: worker processes, replicas, load balancing.
+"""Front side of the multi-process runtime: the I/O shell over worker replicas.
 
 The front keeps every call core (all scheduling decisions); a role placed in a worker only
-changes *where* its methods run. ``RemoteRoles.submit`` sends a ``run`` to a replica chosen by
-the node's load balancer; the replica's ``frame`` and ``done`` messages come back to the
-runtime shell exactly as a local method's would. A replica that dies fails the activations it
-held with a NodeError saying so, at once when the front spawned the process, and within the
-registry's time-to-live otherwise. Every message is sealed and checked (``transport._auth``)
-and typed (``transport._protocol``); frames and dones are taken only from the replica that
-runs the activation. Supervision: a replica silent for ``heartbeat_misses`` intervals is lost
-(a spawned one is SIGKILLed), spawned replicas that die are respawned with backoff (0.1 s
-doubling, at most 30 s), and ``readiness()`` names the roles with no live replica.
+changes *where* its methods run. ``RemoteRoles.submit`` sends a ``run`` to the replicas the
+node's load-balance policy (``registry._lb``) chooses; the replica's ``frame`` and ``done``
+messages come back to the runtime shell exactly as a local method's would. A replica that dies
+fails the activations it held with a NodeError saying so, at once when the front started the
+process, and within the registry's time-to-live otherwise. Every message is sealed and checked
+(``transport._auth``) and typed (``transport._protocol``); frames and dones are taken only from
+the replica that runs the activation. Supervision: a replica silent for ``heartbeat_misses``
+intervals is lost (a started one is killed), started replicas that die are restarted with
+backoff (``_replica.Backoff``), and ``readiness()`` names the roles with no live replica.
+
+What lives elsewhere: which roles go to which processes (``_placement``, pure), each replica's
+states and their legal changes (``_replica``, pure), and how a replica process is started
+(``_launch``: a subprocess today, behind the ``Launcher`` seam). This module only does I/O:
+sockets, messages, timers, and carrying out what those decide.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import secrets
-import signal
-import sys
 import tempfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omniflow._exceptions import NodeError, OmniflowError, RuntimeClosedError, TransportError
-from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane, DataRef
+from omniflow._exceptions import (
+    NodeError,
+    OmniflowError,
+    RegistryError,
+    RuntimeClosedError,
+    TransportError,
+)
+from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane
+from omniflow.data._ref import DataRef
 from omniflow.data.kv._hosted import serve as serve_meta
 from omniflow.data.kv._meta import MemoryMetadata
+from omniflow.registry._lb import (
+    Broadcast,
+    LoadBalance,
+    RoundRobin,
+    SessionLoadBalance,
+    no_live_replica,
+)
+from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle, SubprocessLauncher
+from omniflow.runtime._placement import ProcessSpec
+from omniflow.runtime._replica import Backoff, Lifecycle, ReplicaEvent, ReplicaState
 from omniflow.transport import connect
-from omniflow.transport._auth import KEY_ENV, Opener, Sealer, WireStats
+from omniflow.transport._auth import Opener, Sealer, WireStats
 from omniflow.transport._protocol import (
     Bye,
     Cancel,
@@ -65,121 +85,13 @@ if TYPE_CHECKING:
     from omniflow.runtime._call import Call
     from omniflow.runtime._core import Activation, CallCore
 
-__all__ = ["Deploy", "ProcessSpec", "RemoteRoles", "plan_processes"]
+__all__ = ["RemoteRoles"]
 
 logger = logging.getLogger("omniflow.remote")
-
-#: Respawn backoff: the first delay, the cap, and how long a replica must have lived for its
-#: slot's backoff to start over.
-RESPAWN_BASE = 0.1
-RESPAWN_CAP = 30.0
-RESPAWN_RESET = 60.0
 
 #: How the runtime shell is told about a remote activation's progress.
 OnFrame = Callable[["Call", "CallCore", "Activation", Any], None]
 OnDone = Callable[["Call", "CallCore", "Activation", BaseException | None], None]
-
-
-class Deploy:
-    """Group roles into named worker processes and replicate them.
-
-    >>> Deploy({"llm": {"replicas": 2, "process": "gpu0"}, "vit": {"process": "gpu0"}})
-    Deploy({'llm': {'replicas': 2, 'process': 'gpu0'}, 'vit': {'process': 'gpu0'}})
-
-    Roles that share a ``process`` name run in one process (each replica of the group is one
-    process); roles not named stay in the front process.
-    """
-
-    _KEYS = frozenset({"replicas", "process"})
-
-    def __init__(self, roles: dict[str, dict[str, Any]]) -> None:
-        if not isinstance(roles, dict):
-            raise OmniflowError(
-                "Deploy takes a dict: {role name: {'replicas': n, 'process': name}}"
-            )
-        for name, opts in roles.items():
-            if not isinstance(opts, dict):
-                raise OmniflowError(f"Deploy: options of role '{name}' must be a dict")
-            unknown = set(opts) - self._KEYS
-            if unknown:
-                raise OmniflowError(
-                    f"Deploy: role '{name}' has unknown option(s) {sorted(unknown)}; "
-                    f"use {sorted(self._KEYS)}"
-                )
-            n = opts.get("replicas", 1)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise OmniflowError(f"Deploy: role '{name}' replicas must be an int >= 1")
-        self.roles = {k: dict(v) for k, v in roles.items()}
-
-    def __repr__(self) -> str:
-        return f"Deploy({self.roles!r})"
-
-
-def _rendezvous(session: str, live: list[_Replica]) -> _Replica:
-    """Highest-random-weight choice: every front that sees the same replicas picks the same
-    one, whatever the order it learnt them in (fewer pin conflicts to settle)."""
-    return max(live, key=lambda r: zlib.crc32(f"{session}\0{r.replica_id}".encode()))
-
-
-@dataclass
-class ProcessSpec:
-    """One group of roles that runs as ``replicas`` worker processes."""
-
-    name: str
-    roles: list[str]
-    replicas: int
-    modules: list[str]
-
-
-def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[ProcessSpec]:
-    """Which roles go to which worker processes; [] for in-process placement."""
-    if placement == "inproc":
-        return []
-    wanted: dict[str, dict[str, Any]]
-    if placement == "process":
-        wanted = {r: {"process": r, "replicas": 1} for r in role_modules}
-    elif isinstance(placement, Deploy):
-        wanted = placement.roles
-    else:
-        raise OmniflowError(
-            f"placement={placement!r} is not understood; use 'inproc', 'process' or "
-            "omniflow.Deploy({...})"
-        )
-    groups: dict[str, ProcessSpec] = {}
-    #: process name -> the role whose options gave the group its replica count.
-    stated: dict[str, str] = {}
-    for role, opts in wanted.items():
-        if role not in role_modules:
-            raise OmniflowError(
-                f"Deploy names role '{role}', which no graph of this runtime declares; roles: "
-                f"{sorted(role_modules)}"
-            )
-        module = role_modules[role]
-        if module is None:
-            raise OmniflowError(
-                f"role '{role}' must run in a worker process, but its graph was built in "
-                "__main__; define the graph at module level in an importable module or .py file"
-            )
-        pname = str(opts.get("process", role))
-        n = opts.get("replicas")
-        spec = groups.get(pname)
-        if spec is None:
-            spec = groups[pname] = ProcessSpec(pname, [], 1, [])
-        if n is not None:
-            # A role that does not say how many replicas joins its group's count, whatever
-            # the order of the Deploy dict; two roles that say different counts disagree.
-            if pname in stated and spec.replicas != n:
-                raise OmniflowError(
-                    f"Deploy: roles of process '{pname}' disagree on replicas "
-                    f"({spec.replicas} vs {n}: roles '{stated[pname]}' and '{role}'); a "
-                    "process group is replicated as a whole, so state it on one role"
-                )
-            spec.replicas = int(n)
-            stated[pname] = role
-        spec.roles.append(role)
-        if module not in spec.modules:
-            spec.modules.append(module)
-    return list(groups.values())
 
 
 @dataclass(slots=True)
@@ -195,22 +107,25 @@ class _Pending:
 
 @dataclass(eq=False)
 class _Replica:
+    """What the shell keeps of one replica: its connection and what it runs. Its state is
+    ``life`` (``_replica.Lifecycle``), changed only through ``RemoteRoles._event``."""
+
     replica_id: str
     roles: list[str]
     address: str
+    #: The started process, as its launcher handed it back (None: found in the registry).
+    process: ReplicaHandle | None = None
+    life: Lifecycle = field(init=False)
     endpoint: Any = None
-    process: asyncio.subprocess.Process | None = None
-    alive: bool = True
+    #: Resolved by its ``ready`` (failed if it is lost first).
     ready: asyncio.Future[None] | None = None
     out: asyncio.Queue[list[Any] | None] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     #: (call id, aid) of activations it runs.
     held: set[tuple[str, int]] = field(default_factory=set)
     exit_code: int | None = None
-    #: Absent from the last registry snapshot (a registry-found replica on probation).
-    missing: bool = False
-    #: Said ``bye``: it gets nothing new and finishes what it holds, then exits.
-    leaving: bool = False
+    #: Pending judgement of a replica absent from the registry (cancelled if it comes back).
+    probation: asyncio.TimerHandle | None = None
     #: Loop time of its last ``bye`` (a leaving replica repeats it while it drains).
     last_bye: float = 0.0
     #: Process id the worker reported in "ready" (its data-plane refs carry it).
@@ -219,13 +134,21 @@ class _Replica:
     sealer: Sealer | None = None
     #: Loop time of the last authentic message from it (heartbeats included).
     last_seen: float = 0.0
-    #: The process group it was spawned for and its slot there (None: found in the registry).
+    #: The process group it was started for and its slot there (None: found in the registry).
     spec: ProcessSpec | None = None
     slot: int = 0
-    #: Loop time it was spawned at (a replica that lived long resets its slot's backoff).
+    #: Loop time it was started at (a replica that lived long resets its slot's backoff).
     born: float = 0.0
     #: (pool, node) of the Params Pools it registered in the front-hosted metadata.
     pool_nodes: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.life = Lifecycle(self.replica_id)
+
+    @property
+    def alive(self) -> bool:
+        """Not gone (it may still be starting or leaving)."""
+        return self.life.alive
 
 
 class _RemoteHandle:
@@ -259,10 +182,13 @@ class RemoteRoles:
         cluster_key: bytes | None = None,
         heartbeat_misses: int = 10,
         respawn: bool = True,
+        launcher: Launcher | None = None,
     ) -> None:
         from omniflow.transport._auth import resolve_key
 
         self.processes = processes
+        #: How replica processes are started (a subprocess of this front by default).
+        self.launcher = launcher if launcher is not None else SubprocessLauncher()
         #: The deployment's key (workers spawned here get it in their environment).
         self.cluster_key = cluster_key if cluster_key is not None else resolve_key()[0]
         #: Accepted and dropped messages from replicas, by reason.
@@ -274,8 +200,8 @@ class RemoteRoles:
         self.respawn = respawn
         #: Role -> replicas of it respawned so far.
         self.restarts: dict[str, int] = {r: 0 for p in processes for r in p.roles}
-        #: (process group, slot) -> consecutive quick deaths (the backoff exponent).
-        self._backoff: dict[tuple[str, int], int] = {}
+        #: Restart delays per (process group, slot).
+        self._backoff = Backoff()
         self._supervisor: asyncio.Task[None] | None = None
         self._addresses = itertools.count()
         #: The front's data plane (inputs it produced for remote methods go through its pool).
@@ -306,11 +232,18 @@ class RemoteRoles:
         self._on_done = on_done
         #: Roles served by workers.
         self.roles = frozenset(r for p in processes for r in p.roles)
+        #: Every replica known, in the order it was started or found (the routing order).
         self._replicas: dict[str, _Replica] = {}
-        self._by_role: dict[str, list[_Replica]] = {r: [] for r in self.roles}
         self._pending: dict[tuple[str, int], _Pending] = {}
-        self._rr: dict[str, itertools.count[int]] = {r: itertools.count() for r in self.roles}
-        self._affinity: dict[tuple[str, str], str] = {}
+        rr = RoundRobin()
+        #: Session pins: in the registry once it is started, else in this front only.
+        self._session = SessionLoadBalance(fallback=rr)
+        #: ``lb=`` name -> policy (one family for every placement: ``registry._lb``).
+        self._policies: dict[str, LoadBalance] = {
+            rr.name: rr,
+            Broadcast.name: Broadcast(),
+            self._session.name: self._session,
+        }
         #: (session, role) -> runs waiting for the registry to settle the session's pin.
         self._pinning: dict[tuple[str, str], list[tuple[tuple[str, int], Any]]] = {}
         #: Pin settlements and adoptions under way (cancelled at close).
@@ -338,6 +271,7 @@ class RemoteRoles:
                 self.registry_url, heartbeat_interval=self.heartbeat_interval, key=self.cluster_key
             )
             await self._registry.start()
+            self._session.store = self._registry
         starts = []
         for spec in self.processes:
             for i in range(spec.replicas):
@@ -356,30 +290,12 @@ class RemoteRoles:
     async def _spawn(self, spec: ProcessSpec, slot: int) -> None:
         n = next(self._addresses)
         rid = f"{spec.name}-{slot}-{self._token}" + (f"-r{n}" if n >= self._initial else "")
-        address = f"ipc://{self._tmp}/w{n}.sock"
-        cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
-        for role in spec.roles:
-            cmd += ["--role", role]
-        # --parent-pid: the worker leaves when this process is gone (it runs in a session
-        # of its own, so nothing else would stop it after a crash of the front). --owner:
-        # only this front may stop it. The key goes in the environment, never in argv.
-        cmd += ["--bind", address, "--replica-id", rid, "--parent-pid", str(os.getpid())]
-        cmd += ["--owner", self._token, "--heartbeat", str(self.heartbeat_interval)]
-        if self.registry_url:
-            cmd += ["--registry", self.registry_url]
-        # The cluster key travels in the environment (never argv), with the file where the
-        # worker writes why it could not start (a failed setup(), a bad module).
-        env = {
-            **os.environ,
-            KEY_ENV: self.cluster_key.decode(),
-            "OMNIFLOW_START_ERROR_FILE": os.path.join(self._tmp, f"{rid}.err"),
-        }
-        # A session of its own: Ctrl-C in the front's terminal must not kill the workers
-        # before the front drains; the front stops them itself.
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env
-        )
-        rep = _Replica(rid, list(spec.roles), address, process=proc, spec=spec, slot=slot)
+        launch = LaunchSpec(
+            rid, spec.name, tuple(spec.roles), tuple(spec.modules), n, self._tmp, self._token,
+            self.heartbeat_interval, self.registry_url, self.cluster_key,
+        )  # fmt: skip
+        handle = await self.launcher.start(launch)
+        rep = _Replica(rid, list(spec.roles), handle.address, handle, spec=spec, slot=slot)
         rep.born = asyncio.get_running_loop().time()
         self._replicas[rid] = rep
         rep.tasks.append(asyncio.get_running_loop().create_task(self._reap(rep)))
@@ -396,9 +312,6 @@ class RemoteRoles:
         rep.out.put_nowait(encode_msg(Hello(self._token, self.heartbeat_interval)))
         await rep.ready
         rep.last_seen = loop.time()
-        if rep.alive and not rep.leaving:  # a worker that is leaving says bye at once
-            for role in rep.roles:
-                self._by_role.setdefault(role, []).append(rep)
 
     async def close(self) -> None:
         self._closing = True
@@ -412,14 +325,10 @@ class RemoteRoles:
             if rep.alive and rep.endpoint is not None and rep.process is not None:
                 rep.out.put_nowait(encode_msg(Stop()))
         for rep in list(self._replicas.values()):
-            proc = rep.process
-            if proc is not None and proc.returncode is None:
-                try:
-                    await asyncio.wait_for(proc.wait(), 5)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
-            rep.alive = False
+            if rep.process is not None:
+                await self.launcher.stop(rep.process, 5)
+            if rep.alive:
+                self._event(rep, ReplicaEvent.LOST, "the front closed")
             for task in rep.tasks:
                 task.cancel()
             for task in rep.tasks:
@@ -448,29 +357,15 @@ class RemoteRoles:
         """Run ``act`` on a replica of its role (all replicas for lb="broadcast")."""
         spec = core.c.specs[act.node]
         role = spec.role
-        live = [r for r in self._by_role.get(role, ()) if r.alive]
-        if not live:
-            self._on_done(
-                call,
-                core,
-                act,
-                NodeError(
-                    act.node,
-                    f"no live replica of role '{role}' (every worker of it is gone)",
-                    call_id=call.call_id,
-                    graph=call.graph,
-                ),
-            )
+        live = self._routable(role)
+        try:
+            # None: the session's first run from here waits for its pin to be settled.
+            targets = self._policies[spec.lb].select_now(role, live, session=call.session)
+        except RegistryError:  # no live replica
+            self._on_done(call, core, act, self._no_replica(call, act, role))
             return
-        if spec.lb == "broadcast":
-            targets = live
-        elif spec.lb == "session" and call.session is not None:
-            picked = self._pick_session(call.session, role, live)
-            targets = [] if picked is None else [picked]
-        else:
-            targets = [live[next(self._rr[role]) % len(live)]]
         key = (call.call_id, act.aid)
-        self._pending[key] = _Pending(call, core, act, list(targets))
+        self._pending[key] = _Pending(call, core, act, list(targets or ()))
         act.task = _RemoteHandle(self, key)
         kwargs = act.kwargs
         plane = self.plane
@@ -529,28 +424,12 @@ class RemoteRoles:
             rep.out.put_nowait(frames)
 
     def _routable(self, role: str) -> list[_Replica]:
-        return [r for r in self._by_role.get(role, ()) if r.alive]
+        """The replicas of ``role`` that may be sent new work, in routing order."""
+        return [r for r in self._replicas.values() if r.life.routable and role in r.roles]
 
-    def _pick_session(self, session: str, role: str, live: list[_Replica]) -> _Replica | None:
-        """Session affinity: the replica ``session`` is pinned to, or None while the pin must
-        first be settled through the shared registry.
-
-        With a registry every front routes a session the same way: the first run of a session
-        from this front (or the first after its replica went away) waits for
-        ``pin_affinity``, an atomic compare-and-set in the registry, and goes where it says;
-        later runs use the local copy of the pin without a round trip. Without a registry
-        (one front) the pin is local.
-        """
-        rid = self._affinity.get((session, role))
-        if rid is not None:
-            for rep in live:
-                if rep.replica_id == rid:
-                    return rep
-        if self._registry is not None:
-            return None
-        rep = _rendezvous(session, live)
-        self._affinity[(session, role)] = rep.replica_id
-        return rep
+    @staticmethod
+    def _no_replica(call: Call, act: Activation, role: str) -> NodeError:
+        return NodeError(act.node, no_live_replica(role), call_id=call.call_id, graph=call.graph)
 
     def _defer(self, session: str, role: str, key: tuple[str, int], frames: Any) -> None:
         waiting = self._pinning.get((session, role))
@@ -563,54 +442,40 @@ class RemoteRoles:
         """Pin ``session`` for ``role`` in the registry, then send the runs that waited."""
         rep: _Replica | None
         try:
-            rep = await self._resolve_pin(session, role)
+            rep = await self._session.route(
+                session, role, functools.partial(self._routable, role),
+                find=functools.partial(self._find, role),
+            )  # fmt: skip
         except (OmniflowError, OSError) as exc:  # registry down: pin locally for now
-            logger.warning("session %r: registry pin failed, routing locally: %s", session, exc)
             live = self._routable(role)
-            rep = _rendezvous(session, live) if live else None
+            rep = self._session.pin_here(session, role, live) if live else None
+            if rep is not None:
+                logger.warning("session %r: registry pin failed, routing locally: %s", session, exc)
         waiting = self._pinning.pop((session, role), [])
-        if rep is not None:
-            self._affinity[(session, role)] = rep.replica_id
         for key, frames in waiting:
             p = self._pending.get(key)
             if p is None or isinstance(p.error, asyncio.CancelledError):
                 continue  # cancelled while it waited; _cancel finishes it
-            if rep is None or not rep.alive:
-                p.error = NodeError(
-                    p.act.node,
-                    f"no live replica of role '{role}' (every worker of it is gone)",
-                    call_id=p.call.call_id,
-                    graph=p.call.graph,
-                )
+            if rep is None or not rep.life.routable:
+                p.error = self._no_replica(p.call, p.act, role)
                 self._replica_done(None, key, None)
                 continue
             p.replicas.append(rep)
             self._send_run(key, frames, [rep])
 
-    async def _resolve_pin(self, session: str, role: str) -> _Replica | None:
-        """The replica the registry pins ``session`` to: this front's choice unless another
-        front pinned it first; a pin to a replica that is gone is replaced (compare-and-set,
-        so two fronts that both find it gone still agree)."""
+    async def _find(self, role: str, rid: str) -> _Replica | None:
+        """The replica a session is pinned to by another front, once it can take work here:
+        adopted from the registry if this front has not connected to it yet."""
         assert self._registry is not None
-        old = self._affinity.get((session, role))
-        for _ in range(3):
-            live = self._routable(role)
-            if not live:
-                return None
-            mine = _rendezvous(session, live).replica_id
-            winner = await self._registry.pin_affinity(session, role, mine, replace=old)
-            rep = self._replicas.get(winner)
-            if rep is None:  # registered, perhaps not adopted here yet
-                listed = {r.replica_id: r for r in await self._registry.replicas(role)}
-                if winner in listed:
-                    rep = self._adopt(role, winner, listed[winner].address)
-            if rep is not None and rep.ready is not None and not rep.ready.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(rep.ready), self.start_timeout)
-            if rep is not None and rep.alive and rep in self._by_role.get(role, ()):
-                return rep
-            old = winner  # pinned to a replica that is gone or leaving: move the session
-        return None
+        rep = self._replicas.get(rid)
+        if rep is None:  # registered, perhaps not adopted here yet
+            listed = {r.replica_id: r for r in await self._registry.replicas(role)}
+            if rid in listed:
+                rep = self._adopt(role, rid, listed[rid].address)
+        if rep is not None and rep.ready is not None and not rep.ready.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(rep.ready), self.start_timeout)
+        return rep
 
     def _in_background(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -656,8 +521,7 @@ class RemoteRoles:
         for rep in self._replicas.values():
             if rep.alive:
                 rep.out.put_nowait(frames)
-        for key in [k for k in self._affinity if k[0] == session]:
-            del self._affinity[key]
+        self._session.forget(session)
 
     def _cancel(self, key: tuple[str, int]) -> None:
         p = self._pending.get(key)
@@ -752,6 +616,9 @@ class RemoteRoles:
             case Ready(pid=pid):
                 if rep.ready is not None and not rep.ready.done():
                     rep.pid = pid
+                    self._event(rep, ReplicaEvent.READY, f"pid {pid}")
+                    if rep.probation is not None:  # went missing while it connected
+                        self._event(rep, ReplicaEvent.MISSING, "gone from the registry")
                     rep.ready.set_result(None)
             case StatsReply(r=r):
                 fut = self._stats_waiting.pop(r, None)
@@ -843,15 +710,11 @@ class RemoteRoles:
         it holds. The first ``bye`` is answered with ``bye``: it follows every run this front
         sent there on the same connection, so after it the worker knows nothing more comes."""
         rep.last_bye = asyncio.get_running_loop().time()
-        if rep.leaving:
-            return  # a repeat while it drains: it is alive
-        rep.leaving = True
-        for reps in self._by_role.values():
-            if rep in reps:
-                reps.remove(rep)
+        if rep.life.state is ReplicaState.LEAVING or not rep.alive:
+            return  # a repeat while it drains (it is alive), or too late to matter
+        self._event(rep, ReplicaEvent.BYE, "it said bye")
         logger.info("replica %s is leaving, finishing %d runs", rep.replica_id, len(rep.held))
-        if rep.alive:
-            rep.out.put_nowait(encode_msg(Bye()))
+        rep.out.put_nowait(encode_msg(Bye()))
 
     async def _reap(self, rep: _Replica) -> None:
         assert rep.process is not None
@@ -860,21 +723,19 @@ class RemoteRoles:
         if self._closing:
             return
         self._lost(rep, f"its process exited with code {code}")
-        # One that never became ready is retried by the _respawn (or start) that spawned it.
-        if self.respawn and rep.spec is not None and not rep.leaving and rep.pid is not None:
+        # One that never became ready is retried by the _respawn (or start) that spawned it;
+        # one that LEFT (said bye first) went as it said.
+        dead = rep.life.state is ReplicaState.DEAD
+        if self.respawn and rep.spec is not None and dead and rep.pid is not None:
             self._in_background(self._respawn(rep))
 
     async def _respawn(self, dead: _Replica) -> None:
-        """Start a new replica in the dead one's slot after a backoff: 0.1 s, doubling with
-        each death that came within a minute of its spawn, at most 30 s."""
+        """Start a new replica in the dead one's slot after a backoff (``_replica.Backoff``)."""
         assert dead.spec is not None
         loop = asyncio.get_running_loop()
         slot = (dead.spec.name, dead.slot)
-        if loop.time() - dead.born > RESPAWN_RESET:
-            self._backoff[slot] = 0
-        n = self._backoff.get(slot, 0)
-        self._backoff[slot] = n + 1
-        delay = min(RESPAWN_CAP, RESPAWN_BASE * 2**n)
+        delay = self._backoff.after_death(slot, lived=loop.time() - dead.born)
+        self._event(dead, ReplicaEvent.RESPAWN, f"a new replica takes its slot in {delay:.1f} s")
         if self._replicas.get(dead.replica_id) is dead:
             del self._replicas[dead.replica_id]
         for task in dead.tasks:
@@ -886,15 +747,14 @@ class RemoteRoles:
             "respawning a replica of %s in %.1f s (restart %d of this slot)",
             dead.spec.name,
             delay,
-            n + 1,
+            self._backoff.restarts(slot),
         )
         await asyncio.sleep(delay)
         while not self._closing:
             try:
                 await asyncio.wait_for(self._spawn(dead.spec, dead.slot), self.start_timeout)
             except (OmniflowError, OSError, TimeoutError) as exc:
-                n = self._backoff[slot] = self._backoff.get(slot, 0) + 1
-                delay = min(RESPAWN_CAP, RESPAWN_BASE * 2**n)
+                delay = self._backoff.after_failed_start(slot)
                 logger.warning(
                     "respawning %s failed (%s); next try in %.1f s", dead.spec.name, exc, delay
                 )
@@ -949,9 +809,8 @@ class RemoteRoles:
         does not answer never holds up the watch.
         """
         assert self._registry is not None
-        from omniflow._exceptions import RegistryError
-
         loop = asyncio.get_running_loop()
+        grace = 2 * self.heartbeat_interval
         while not self._closing:
             try:
                 async with self._registry.watch(role) as watch:
@@ -960,11 +819,15 @@ class RemoteRoles:
                         for rep in list(self._replicas.values()):
                             if rep.process is not None or not rep.alive or role not in rep.roles:
                                 continue
-                            missing = rep.replica_id not in present
-                            if missing and not rep.missing:
-                                grace = 2 * self.heartbeat_interval
-                                loop.call_later(grace, self._check_missing, rep)
-                            rep.missing = missing
+                            if rep.replica_id in present:
+                                self._event(rep, ReplicaEvent.PRESENT)
+                                if rep.probation is not None:
+                                    rep.probation.cancel()
+                                    rep.probation = None
+                                continue
+                            self._event(rep, ReplicaEvent.MISSING, "gone from the registry")
+                            if rep.probation is None:
+                                rep.probation = loop.call_later(grace, self._check_missing, rep)
                         for rid, replica in present.items():
                             if rid not in self._replicas:
                                 self._adopt(role, rid, replica.address)
@@ -989,12 +852,16 @@ class RemoteRoles:
             self._lost(rep, f"it did not answer ({exc!r})")
 
     def _check_missing(self, rep: _Replica) -> None:
-        if not rep.alive or not rep.missing or self._closing:
+        """Its probation ended and it is still absent from the registry (a snapshot that lists
+        it again cancels the probation)."""
+        rep.probation = None
+        if not rep.alive or self._closing:
             return
         loop = asyncio.get_running_loop()
-        if rep.leaving and rep.held and loop.time() - rep.last_bye < 3 * self.heartbeat_interval:
+        leaving = rep.life.state is ReplicaState.LEAVING
+        if leaving and rep.held and loop.time() - rep.last_bye < 3 * self.heartbeat_interval:
             # Deregistered on purpose and still finishing runs (its repeated byes say it lives).
-            loop.call_later(self.heartbeat_interval, self._check_missing, rep)
+            rep.probation = loop.call_later(self.heartbeat_interval, self._check_missing, rep)
             return
         self._lost(rep, "it stopped heartbeating (gone from the registry)")
 
@@ -1007,31 +874,31 @@ class RemoteRoles:
         if rep.endpoint is not None:
             rep.endpoint.close()
 
+    def _event(self, rep: _Replica, event: ReplicaEvent, why: str = "") -> None:
+        """The one way a replica's state changes (``_replica.transition`` checks it)."""
+        rep.life.apply(event, why)
+
     def _lost(self, rep: _Replica, why: str) -> None:
         if not rep.alive:
             return
-        rep.alive = False
+        self._event(rep, ReplicaEvent.LOST, why)
+        if rep.probation is not None:
+            rep.probation.cancel()
+            rep.probation = None
         proc = rep.process
-        if proc is not None and proc.returncode is None and not self._closing:
+        if proc is not None and self.launcher.alive(proc) and not self._closing:
             # Lost but running (a send failed, heartbeats missed): kill it, so it is reaped
             # and respawned, and cannot come back half-alive.
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGKILL)
-        for reps in self._by_role.values():
-            if rep in reps:
-                reps.remove(rep)
+            proc.kill()
         if rep.ready is not None and not rep.ready.done():
-            reason = why
-            err_file = os.path.join(self._tmp, f"{rep.replica_id}.err")
-            with contextlib.suppress(OSError), open(err_file) as f:
-                reason = f.read(4000).strip() or why
+            reason = (proc.start_error() if proc is not None else None) or why
             rep.ready.set_exception(
                 OmniflowError(
                     f"worker {rep.replica_id} (role(s) {rep.roles}) died before ready: {reason}"
                 )
             )
             rep.ready.exception()  # retrieved: nobody may be waiting any more
-        if rep.leaving and not rep.held:
+        if rep.life.state is ReplicaState.LEFT and not rep.held:
             logger.info("replica %s left (%s)", rep.replica_id, why)
         else:
             logger.warning("replica %s lost: %s", rep.replica_id, why)
@@ -1066,7 +933,7 @@ class RemoteRoles:
     def statistics(self) -> dict[str, int]:
         return {
             # Connected, not leaving: what calls can be routed to.
-            "replicas": len({id(r) for reps in self._by_role.values() for r in reps if r.alive}),
+            "replicas": sum(1 for r in self._replicas.values() if r.life.routable),
             "remote_inflight": len(self._pending),
         }
 
@@ -1110,79 +977,3 @@ class RemoteRoles:
                 body = fut.result()
                 out[name] = {**body["plane"], "pid": body["pid"]}
         return out
-
-
-def resolve_connectors(
-    plans: dict[str, Any],
-    config: dict[Any, str] | None,
-    remote_roles: frozenset[str],
-    processes: list[ProcessSpec],
-) -> dict[str, dict[str, str]]:
-    """Per-edge connector choice, checked now: ``{dst node: {src node: connector}}``.
-
-    ``config`` maps ``(src, dst)`` (or ``"src->dst"``) to one of CONNECTORS, plus an optional
-    ``"default"``. An edge that its connector cannot carry is a GraphError: ``inproc`` needs
-    both ends in one process (the front, or a process group with a single replica).
-    """
-    from omniflow._exceptions import GraphError
-    from omniflow.data._plane import CONNECTORS
-
-    if not config:
-        return {}
-    home: dict[str, str | None] = {}
-    for spec in processes:
-        for role in spec.roles:
-            home[role] = spec.name if spec.replicas == 1 else None
-    roles_of: dict[str, str] = {}
-    edges: set[tuple[str, str]] = set()
-    for plan in plans.values():
-        for n, s in plan.specs.items():
-            roles_of[n] = s.role
-        edges.update((src, dst) for src, _f, dst, _g in plan.edges if src != "<input>")
-
-    def place(node: str) -> str | None:
-        role = roles_of[node]
-        return home[role] if role in remote_roles else "<front>"
-
-    def check(src: str, dst: str, conn: str) -> None:
-        if conn not in CONNECTORS:
-            raise GraphError(
-                f"connector {conn!r} for edge {src} -> {dst} is unknown; use one of {CONNECTORS}",
-                node=dst,
-            )
-        if conn == "inproc" and (place(src) is None or place(src) != place(dst)):
-            raise GraphError(
-                f"edge {src} -> {dst} crosses processes (placement puts them in different or "
-                "replicated processes), so connector 'inproc' cannot carry it; use 'shm' "
-                "(same host) or 'zmq'",
-                node=dst,
-            )
-
-    out: dict[str, dict[str, str]] = {}
-    default = config.get("default", "auto")
-    explicit: dict[tuple[str, str], str] = {}
-    for key, conn in config.items():
-        if key == "default":
-            continue
-        if isinstance(key, str) and "->" in key:
-            src, dst = (part.strip() for part in key.split("->", 1))
-        elif isinstance(key, tuple) and len(key) == 2:
-            src, dst = key
-        else:
-            raise GraphError(
-                f"connectors key {key!r} is not an edge; write ('src.node', 'dst.node') or "
-                "'src.node->dst.node'"
-            )
-        if (src, dst) not in edges:
-            raise GraphError(
-                f"connectors names edge {src} -> {dst}, which no graph of this runtime has",
-                node=dst,
-            )
-        explicit[(src, dst)] = conn
-    for src, dst in sorted(edges):
-        conn = explicit.get((src, dst), default)
-        if conn == "auto":
-            continue
-        check(src, dst, conn)
-        out.setdefault(dst, {})[src] = conn
-    return out

@@ -30,23 +30,27 @@ from types import MappingProxyType
 from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
+from omniflow._loader import load_graphs
 from omniflow.data._handle import BlockHandle
-from omniflow.data._plane import DataPlane, DataRef, PullClient, refs_in
+from omniflow.data._plane import DataPlane, PullClient
+from omniflow.data._ref import DataRef, refs_in
 from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
-from omniflow.plan._parser import load_graphs, parse_graphs
+from omniflow.plan._parser import parse_graphs
+from omniflow.runtime._drive import Finished, drive, finished, first_step, generator_end
+from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
 from omniflow.transport._protocol import (
-    MESSAGES,
     Bye,
     Cancel,
     CloseSession,
     Done,
     EndCall,
     Frame,
+    Frames,
     Heartbeat,
     Hello,
     Message,
@@ -208,7 +212,7 @@ class Worker:
                 await setup_role(self._role_names_of[id(role)], role.setup)
         except Exception as exc:
             # The front that spawned this worker reads why it did not start from here.
-            path = os.environ.get("OMNIFLOW_START_ERROR_FILE")
+            path = os.environ.get(START_ERROR_ENV)
             if path:
                 with contextlib.suppress(OSError), open(path, "w") as f:
                     f.write(str(exc))
@@ -366,10 +370,7 @@ class Worker:
             for peer in self._peers:
                 self._out.put_nowait((peer, beat))
 
-    def _send(
-        self, peer: bytes | None, kind: str | Message, body: dict[str, Any] | None = None
-    ) -> None:
-        msg = MESSAGES[kind][0](**(body or {})) if isinstance(kind, str) else kind
+    def _send(self, peer: bytes | None, msg: Message) -> None:
         self._out.put_nowait((peer, encode_msg(msg)))
 
     def _handle(self, peer: bytes | None, msg: Message) -> None:
@@ -578,18 +579,11 @@ class Worker:
                 self._running[key] = gtask
                 gtask.add_done_callback(lambda t: self._unreported(key, t))
                 return
-            try:
-                coro = method(**body["k"])
-                fut = coro.send(None)
-            except StopIteration as stop:
-                self._done(peer, c, a, None, stop.value)
+            started = first_step(method, body["k"])
+            if isinstance(started, Finished):
+                self._done(peer, c, a, started.error, started.value)
                 return
-            except (Exception, asyncio.CancelledError) as exc:
-                self._done(peer, c, a, exc)
-                return
-            from omniflow.runtime._runtime import _await_continue, _Continue
-
-            task = loop.create_task(_await_continue(_Continue(coro, fut)))
+            coro, task = started
             self._running[key] = task
             task.add_done_callback(lambda t: self._finished(key, coro, t))
         finally:
@@ -597,13 +591,8 @@ class Worker:
 
     def _finished(self, key: _Key, coro: Any, task: asyncio.Task[Any]) -> None:
         self._running.pop(key, None)
-        peer, c, a = key
-        if task.cancelled():
-            coro.close()
-            self._done(peer, c, a, asyncio.CancelledError())
-            return
-        exc = task.exception()
-        self._done(peer, c, a, exc, None if exc is not None else task.result())
+        end = finished(coro, task)
+        self._done(key[0], key[1], key[2], end.error, end.value)
 
     def _unreported(self, key: _Key, task: asyncio.Task[Any]) -> None:
         """A ``_drive`` / ``_pull_then_run`` task ended. Its body reports the end itself (and
@@ -612,59 +601,19 @@ class Worker:
         if self._running.get(key) is not task:
             return
         del self._running[key]
-        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-        self._done(key[0], key[1], key[2], exc or asyncio.CancelledError())
+        self._done(key[0], key[1], key[2], generator_end(task))
 
     async def _drive(self, key: _Key, agen: Any) -> None:
-        """Run a generator method. Frames yielded within one event-loop turn leave as one
-        ``frames`` message (at most FRAME_BATCH each): a stream that does not pause costs the
-        front one message per batch, and one that pauses still sends each frame at once."""
+        """Run a generator method (``_drive.drive``). Frames yielded within one event-loop
+        turn leave as one ``frames`` message (at most FRAME_BATCH each): a stream that does not
+        pause costs the front one message per batch, and one that pauses still sends each
+        frame at once."""
         peer, c, a = key
-        exc: BaseException | None = None
-        batch: list[Any] = []
-        state: dict[str, Any] = {"scheduled": False, "error": None}
-
-        def flush() -> None:
-            state["scheduled"] = False
-            if not batch:
-                return
-            frames = batch[:]
-            batch.clear()
-            try:
-                if len(frames) == 1:
-                    self._send(peer, "frame", {"c": c, "a": a, "f": frames[0]})
-                else:
-                    self._send(peer, "frames", {"c": c, "a": a, "fs": frames})
-            except Exception as e:  # a value the wire cannot carry fails the activation
-                state["error"] = _Unsendable(f"a frame could not be sent to the front: {e}")
-
-        loop = asyncio.get_running_loop()
-        try:
-            async for frame in agen:
-                batch.append(self._placed(peer, c, a, frame))
-                if len(batch) >= FRAME_BATCH:
-                    flush()
-                elif not state["scheduled"]:
-                    state["scheduled"] = True
-                    loop.call_soon(flush)
-                if state["error"] is not None:
-                    raise state["error"]
-            flush()
-            if state["error"] is not None:
-                raise state["error"]
-        except _Unsendable as e:
-            exc = e
-            with contextlib.suppress(BaseException):
-                await agen.aclose()
-        except asyncio.CancelledError as e:
-            exc = e
-        except Exception as e:
-            exc = e
-        finally:
-            self._running.pop(key, None)
-            if exc is not None:
-                flush()  # frames yielded before the failure still reach the front, in order
-        self._done(peer, c, a, exc)
+        out = _FrameBatch(self, peer, c, a)
+        exc = await drive(agen, out.push)
+        self._running.pop(key, None)
+        out.flush()  # frames yielded before a failure still reach the front, in order
+        self._done(peer, c, a, exc or out.error)
 
     def _placed(self, peer: bytes | None, c: str, a: int, frame: Any) -> Any:
         """``frame`` with the outputs this activation offloads put in the data plane."""
@@ -713,6 +662,47 @@ class Worker:
         else:
             tb = "".join(traceback.format_exception(exc))
             self._send(peer, Done(c, a, None, type(exc).__name__, str(exc), False, tb))
+
+
+class _FrameBatch:
+    """The frames of one generator activation on their way to the front, batched per turn."""
+
+    __slots__ = ("a", "batch", "c", "error", "peer", "scheduled", "worker")
+
+    def __init__(self, worker: Worker, peer: bytes | None, c: str, a: int) -> None:
+        self.worker = worker
+        self.peer, self.c, self.a = peer, c, a
+        #: Frames placed (offloaded outputs in the data plane) and not sent yet.
+        self.batch: list[Any] = []
+        #: A flush is due at the end of this loop turn.
+        self.scheduled = False
+        #: Why a flush failed (a value the wire cannot carry fails the activation).
+        self.error: _Unsendable | None = None
+
+    def push(self, frame: Any) -> bool:
+        """``drive``'s push: place and queue the frame; raises once a send failed."""
+        self.batch.append(self.worker._placed(self.peer, self.c, self.a, frame))
+        if len(self.batch) >= FRAME_BATCH:
+            self.flush()
+        elif not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def flush(self) -> None:
+        self.scheduled = False
+        if not self.batch:
+            return
+        frames, self.batch = self.batch, []
+        try:
+            if len(frames) == 1:
+                self.worker._send(self.peer, Frame(self.c, self.a, frames[0]))
+            else:
+                self.worker._send(self.peer, Frames(self.c, self.a, frames))
+        except Exception as e:  # a value the wire cannot carry fails the activation
+            self.error = _Unsendable(f"a frame could not be sent to the front: {e}")
 
 
 def _run_body(msg: Run) -> dict[str, Any]:
