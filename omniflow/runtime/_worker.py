@@ -25,7 +25,7 @@ import os
 import signal
 import socket
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import MappingProxyType
 from typing import Any
 
@@ -714,35 +714,12 @@ def _run_body(msg: Run) -> dict[str, Any]:
     return msg._asdict()
 
 
-def run_worker(
-    modules: list[str],
-    roles: list[str],
-    address: str,
-    *,
-    replica_id: str | None = None,
-    registry: str | None = None,
-    heartbeat_interval: float = 1.0,
-    drain_timeout: float = 30.0,
-    parent_pid: int | None = None,
-    cluster_key: bytes | None = None,
-    owner: str | None = None,
-) -> int:
-    """Entry point of ``omniflow worker``: serve until SIGTERM or a ``stop`` message."""
+def run_worker(make: Callable[[], Worker]) -> int:
+    """Entry point of ``omniflow worker``: serve the Worker ``make()`` builds (in the event
+    loop it will run in) until SIGTERM or a ``stop`` message."""
 
     async def main() -> None:
-        worker = Worker(
-            modules,
-            roles,
-            address,
-            replica_id=replica_id,
-            registry=registry,
-            heartbeat_interval=heartbeat_interval,
-            drain_timeout=drain_timeout,
-            parent_pid=parent_pid,
-            cluster_key=cluster_key,
-            owner=owner,
-        )
-        await worker.run()
+        await make().run()
 
     asyncio.run(main())
     return 0
