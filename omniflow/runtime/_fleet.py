@@ -332,19 +332,8 @@ class Fleet:
                 self._on_message(rep, msg)
 
     def dropped(self, rep: Replica, reason: str | None, exc: BaseException | None = None) -> None:
-        """Count a dropped message (the opener counted its own); log the first and then every
-        1000th, so a flood cannot flood the log too."""
-        if reason is not None:
-            self.wire.drop(reason)
-        total = sum(self.wire.dropped.values())
-        if total == 1 or total % 1000 == 0:
-            logger.warning(
-                "dropped %d messages from replicas so far (%s); last from %s: %s",
-                total,
-                self.wire.dropped,
-                rep.replica_id,
-                exc or "not authentic",
-            )
+        """A message from ``rep`` was dropped (counted, and logged now and then)."""
+        self.wire.dropped_message(logger, f"front, last from {rep.replica_id}", reason, exc)
 
     def _on_bye(self, rep: Replica) -> None:
         """The replica is leaving (scale-down): route nothing new to it and let it finish what

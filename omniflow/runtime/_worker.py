@@ -347,19 +347,8 @@ class Worker:
                     self._dropped("malformed", exc)
 
     def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
-        """Count a dropped message (the opener counted its own) and log the first of each
-        kind and then every 1000th, so a flood cannot flood the log as well."""
-        if reason is not None:
-            self.wire.drop(reason)
-        total = sum(self.wire.dropped.values())
-        if total == 1 or total % 1000 == 0:
-            logger.warning(
-                "worker %s: dropped %d messages so far (%s); last: %s",
-                self.replica_id,
-                total,
-                self.wire.dropped,
-                exc or "not authentic",
-            )
+        """A message was dropped (counted, and logged now and then)."""
+        self.wire.dropped_message(logger, f"worker {self.replica_id}", reason, exc)
 
     async def _heartbeat(self) -> None:
         """Tell every front that said hello that this worker lives, as often as it asked."""
