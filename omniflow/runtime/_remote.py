@@ -386,12 +386,7 @@ class RemoteRoles:
                 for frame in fs:
                     self._replica_frame(rep, c, a, frame)
             case Done(c=c, a=a, f=f):
-                if (c, a) not in rep.held:
-                    self.fleet.dropped(
-                        rep,
-                        "foreign",
-                        OmniflowError(f"done of ({c!r:.40}, {a}), which it does not run"),
-                    )
+                if not self._runs(rep, c, a, "done"):
                     return
                 if f is not None:  # a coroutine's returned frame rides in its done
                     self._replica_frame(rep, c, a, f)
@@ -440,11 +435,16 @@ class RemoteRoles:
         for pool, node in sorted(nodes):
             await self.pool_meta.leave(pool, node)
 
+    def _runs(self, rep: Replica, c: str, a: int, what: str) -> bool:
+        """Only the replica that runs an activation speaks for it; anything else is dropped."""
+        if (c, a) in rep.held:
+            return True
+        foreign = OmniflowError(f"a {what} of ({c!r:.40}, {a}), which it does not run")
+        self.fleet.dropped(rep, "foreign", foreign)
+        return False
+
     def _replica_frame(self, rep: Replica, c: str, a: int, frame: Any) -> None:
-        if (c, a) not in rep.held:  # only the replica that runs an activation speaks for it
-            self.fleet.dropped(
-                rep, "foreign", OmniflowError(f"a frame of ({c!r:.40}, {a}), which it does not run")
-            )
+        if not self._runs(rep, c, a, "frame"):
             return
         p = self._pending.get((c, a))
         if p is not None:

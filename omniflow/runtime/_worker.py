@@ -86,6 +86,10 @@ FRAME_BATCH = 64
 class _Unsendable(OmniflowError):
     """A frame the codec cannot carry; the activation fails with this error."""
 
+    @classmethod
+    def sending(cls, exc: Exception) -> _Unsendable:
+        return cls(f"a frame could not be sent to the front: {exc}")
+
 
 class Worker:
     """Serves the roles ``roles`` of the graphs in ``modules`` on ``address``."""
@@ -614,13 +618,6 @@ class Worker:
                 raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
         return frame
 
-    def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
-        frame = self._placed(peer, c, a, frame)
-        try:
-            self._send(peer, Frame(c, a, frame))
-        except Exception as exc:  # a value the wire cannot carry fails the activation
-            raise _Unsendable(f"a frame could not be sent to the front: {exc}") from exc
-
     def _done(
         self,
         peer: bytes | None,
@@ -639,7 +636,7 @@ class Worker:
             except _Unsendable as e:
                 exc = e
             except Exception as e:  # a value the wire cannot carry fails the activation
-                exc = _Unsendable(f"a frame could not be sent to the front: {e}")
+                exc = _Unsendable.sending(e)
             else:
                 self._offload.pop((peer, c, a), None)
                 return
@@ -691,7 +688,7 @@ class _FrameBatch:
             else:
                 self.worker._send(self.peer, Frames(self.c, self.a, frames))
         except Exception as e:  # a value the wire cannot carry fails the activation
-            self.error = _Unsendable(f"a frame could not be sent to the front: {e}")
+            self.error = _Unsendable.sending(e)
 
 
 def _run_body(msg: Run) -> dict[str, Any]:
