@@ -1,10 +1,10 @@
 """Driving role methods: one set of rules for the front (``_runtime``) and the worker
 (``_worker``), which differ only in where a frame goes.
 
->>> started = first_step(method, kwargs)                       # doctest: +SKIP
->>> if isinstance(started, Finished): ...                      # ended in its first step
->>> coro, task = started; task.add_done_callback(...)          # finished(coro, task) later
->>> error = await drive(agen, push)                             # doctest: +SKIP
+>>> out = first_step(method, kwargs)           # its error propagates  # doctest: +SKIP
+>>> if type(out) is Running:                    # suspended: finished(*out) once out.task ends
+...     out.task.add_done_callback(...)
+>>> error = await drive(agen, push)                                      # doctest: +SKIP
 
 A coroutine method runs its first step at once, in the caller's context (most methods finish
 there, and need no task at all); the rest runs in a task that resumes that very coroutine. A
@@ -17,18 +17,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Finished", "drive", "finished", "first_step", "generator_end"]
+__all__ = ["Finished", "Running", "drive", "finished", "first_step", "generator_end"]
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """How a method ended: the error it raised (None: it returned ``value``)."""
+class Finished(NamedTuple):
+    """How a method that ran as a task ended: the error it raised (None: it returned
+    ``value``)."""
 
     error: BaseException | None
     value: Any = None
+
+
+class Running(NamedTuple):
+    """A coroutine method suspended in its first step, carried on by ``task``."""
+
+    coro: Coroutine[Any, Any, Any]
+    task: asyncio.Task[Any]
 
 
 class _Continue:
@@ -61,24 +67,23 @@ async def _await_continue(cont: _Continue) -> Any:
     return await cont
 
 
-def first_step(
-    method: Callable[..., Coroutine[Any, Any, Any]], kwargs: dict[str, Any]
-) -> Finished | tuple[Coroutine[Any, Any, Any], asyncio.Task[Any]]:
-    """Call a coroutine method and run it up to its first suspension, now. Finished when it
-    ended there; else the coroutine and the task (made in the current context) that carries
-    it on: :func:`finished` tells how that task ended."""
+def first_step(method: Callable[..., Coroutine[Any, Any, Any]], kwargs: dict[str, Any]) -> Any:
+    """Call a coroutine method and run it up to its first suspension, now: what it returned
+    if it ended there (what it raised propagates), else :class:`Running` (a task made in the
+    current context carries it on; :func:`finished` tells how that ended). Nothing is made
+    for a method that ends at once, the common case on the hot path."""
+    coro = method(**kwargs)
     try:
-        coro = method(**kwargs)
         fut = coro.send(None)
     except StopIteration as stop:
-        return Finished(None, stop.value)
-    except (Exception, asyncio.CancelledError) as exc:
-        return Finished(exc)
-    return coro, asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
+        return stop.value
+    return Running(
+        coro, asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
+    )
 
 
 def finished(coro: Coroutine[Any, Any, Any], task: asyncio.Task[Any]) -> Finished:
-    """How the task of :func:`first_step` ended (a cancelled one closes its coroutine)."""
+    """How the task of a :class:`Running` ended (a cancelled one closes its coroutine)."""
     if task.cancelled():
         coro.close()
         return Finished(asyncio.CancelledError())

@@ -38,7 +38,7 @@ from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
-from omniflow.runtime._drive import Finished, drive, finished, first_step, generator_end
+from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._placement import plan_processes, resolve_connectors
@@ -594,18 +594,20 @@ class Runtime:
                 return
         token = _current.set((_context_of, call, act))
         try:
-            started = first_step(method, act.kwargs)
-            if isinstance(started, Finished):
-                if started.error is not None:
-                    self._done(call, core, act, started.error)
-                elif self.metrics is None:
-                    core.on_return(act, started.value)
+            try:
+                out = first_step(method, act.kwargs)
+            except (Exception, asyncio.CancelledError) as exc:
+                self._done(call, core, act, exc)
+                return
+            if type(out) is not Running:
+                if self.metrics is None:
+                    core.on_return(act, out)
                 else:
-                    if started.value is not None:
-                        core.on_frame(act, started.value)
+                    if out is not None:
+                        core.on_frame(act, out)
                     self._done(call, core, act, None)
                 return
-            coro, task = started
+            coro, task = out
             act.task = task
             self._track(task)
             task.add_done_callback(lambda t: self._resumed(call, core, act, coro, t))

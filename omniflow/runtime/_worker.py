@@ -38,7 +38,7 @@ from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import parse_graphs
-from omniflow.runtime._drive import Finished, drive, finished, first_step, generator_end
+from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind
@@ -572,11 +572,15 @@ class Worker:
                 self._running[key] = gtask
                 gtask.add_done_callback(lambda t: self._unreported(key, t))
                 return
-            started = first_step(method, body["k"])
-            if isinstance(started, Finished):
-                self._done(peer, c, a, started.error, started.value)
+            try:
+                out = first_step(method, body["k"])
+            except (Exception, asyncio.CancelledError) as exc:
+                self._done(peer, c, a, exc)
                 return
-            coro, task = started
+            if type(out) is not Running:
+                self._done(peer, c, a, None, out)
+                return
+            coro, task = out
             self._running[key] = task
             task.add_done_callback(lambda t: self._finished(key, coro, t))
         finally:
