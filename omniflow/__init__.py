@@ -23,6 +23,7 @@ from omniflow._exceptions import (
     RuntimeClosedError,
     TransportError,
 )
+from omniflow._loader import load_graphs, parse
 from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
@@ -36,7 +37,7 @@ from omniflow.dsl import (
     context,
     interface,
 )
-from omniflow.plan import StaticPlan, load_graphs, parse, parse_graphs
+from omniflow.plan import StaticPlan, parse_graphs
 from omniflow.runtime import Call, Deploy, Frame, Runtime
 
 __version__ = "0.1.0"

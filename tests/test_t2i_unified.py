@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 import omniflow as of
-from omniflow.plan import load_graphs
+from omniflow._loader import load_graphs
 
 
 @pytest.mark.timeout(300)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from collections.abc import Sequence
@@ -147,6 +148,23 @@ class WireStats:
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] += 1
+
+    def dropped_message(
+        self, log: logging.Logger, where: str, reason: str | None, exc: BaseException | None
+    ) -> None:
+        """Count a dropped message (``reason`` None: the opener counted it already) and log
+        the first and then every 1000th, so a flood cannot flood the log too."""
+        if reason is not None:
+            self.drop(reason)
+        total = sum(self.dropped.values())
+        if total == 1 or total % 1000 == 0:
+            log.warning(
+                "%s: dropped %d messages so far (%s); last: %s",
+                where,
+                total,
+                self.dropped,
+                exc or "not authentic",
+            )
 
     def snapshot(self) -> dict[str, int]:
         """``{"accepted": n, "dropped_bad_mac": n, ...}``."""

@@ -148,9 +148,8 @@ def alive(pid: int) -> bool:
 
 def the_pid(rt: of.Runtime) -> int:
     assert rt.remote is not None
-    [pid] = [
-        r.process.pid for r in rt.remote._replicas.values() if r.process is not None and r.alive
-    ]
+    replicas = rt.remote.fleet.replicas.values()
+    [pid] = [r.process.pid for r in replicas if r.process is not None and r.alive]
     return pid
 
 
@@ -161,7 +160,7 @@ async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(tmp_path
     marker = tmp_path / "pwned"
     async with front(mp.scale, of.Deploy({"r": {}})) as rt:
         assert rt.remote is not None
-        [rep] = rt.remote._replicas.values()
+        [rep] = rt.remote.fleet.replicas.values()
         pid = the_pid(rt)
         assert (await rt.run("mp_scale", {"x": 1}))["y"] == [1]
 
