@@ -146,6 +146,43 @@ async def test_demoted_to_l3_and_read_back_bit_identical(make: Any, tmp_path: An
     assert pool.fill(pool._core.lookup(keys[5]).slot) == 3  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("pages", [2, 16])
+async def test_a_matched_run_is_read_back_in_one_batch(make: Any, pages: int) -> None:
+    """Whatever the run's length: one metadata lookup, one call marking the pages moving and
+    one placing them, one slice copy per (sub, slice) for a contiguous run, bytes intact."""
+    pool = make(capacity={"l1": 2 * pages, "l2": 2 * pages, "l3": 0})
+    keys = of.chain_hashes([[i] for i in range(pages)])
+    slots = await pool.alloc("w", pages)
+    data = {
+        key: fill_page(pool, slot, i) for i, (key, slot) in enumerate(zip(keys, slots, strict=True))
+    }
+    await pool.publish("s", keys, slots)
+    await pool.release("w")
+    await pool.alloc("burst", 2 * pages)  # the chain goes down to L2
+    await pool.release("burst")
+    assert pool.stats()["pages"]["l2"] == pages
+    meta = pool._meta
+    assert meta is not None
+    copies: list[int] = []
+    real = torch.Tensor.copy_
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        copies.append(self.shape[0])
+        return real(self, *args, **kwargs)
+
+    before = meta.round_trips
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", counting)
+        m = await pool.match("s", keys, "r")
+    assert m.pages == pages
+    assert meta.round_trips - before == 4  # match, run lock, mark moving, new places
+    assert copies == [pages] * len(LAYOUT.coords())  # one run: one copy per (sub, slice)
+    for key, slot in zip(keys, m.slots, strict=True):
+        assert pool._core.slot(slot).tier == L1 and same(pool, slot, data[key])
+    assert pool.stats()["hits"] == pages
+    await pool.release("r")
+
+
 async def test_alloc_fails_at_once_without_touching_owned_pages(make: Any) -> None:
     pool = make(capacity={"l1": 4, "l2": 0})
     slots = await pool.alloc("a", 3)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import hashlib
 import hmac
 import json
@@ -528,28 +527,37 @@ class ParamsPool:
             await self._bind_run(owner, session)
         keys = list(hashes)
         providers = await meta.match(self.name, session, keys)
-        await self._readback_run(keys[: len(providers)])
         got: list[int] = []
         i = 0
         while i < len(providers):
             key = keys[i]
-            try:
-                if self._core.lookup(key) is None and key not in self._inflight:
-                    n = 1
-                    while (
-                        i + n < len(providers)
-                        and self._core.lookup(keys[i + n]) is None
-                        and keys[i + n] not in self._inflight
-                    ):
-                        n += 1
+            run, whole = await self._take_local(keys[i : len(providers)], owner)
+            got.extend(run)
+            i += len(run)
+            if not whole:  # L1 cannot take more pinned pages: the prefix ends here
+                break
+            if run:
+                continue
+            if key not in self._inflight:
+                n = 1
+                while (
+                    i + n < len(providers)
+                    and self._core.lookup(keys[i + n]) is None
+                    and keys[i + n] not in self._inflight
+                ):
+                    n += 1
+                try:
                     slots = await self._fetch(keys[i : i + n], providers[i : i + n], owner, local)
-                    got.extend(slots)
-                    i += len(slots)
-                    if len(slots) < n:
-                        break
-                    continue
+                except PoolExhaustedError:
+                    break
+                got.extend(slots)
+                i += len(slots)
+                if len(slots) < n:
+                    break
+                continue
+            try:
                 slot = await self._acquire(key, providers[i], owner)
-            except PoolExhaustedError:  # L1 cannot take more pinned pages: the prefix ends here
+            except PoolExhaustedError:
                 s = self._core.lookup(key)
                 if s is not None and owner in s.active:
                     self._core.unpin(s.slot, owner)
@@ -559,6 +567,53 @@ class ParamsPool:
             got.append(slot)
             i += 1
         return Match(len(got), tuple(got))
+
+    async def _take_local(self, keys: list[str], owner: str) -> tuple[list[int], bool]:
+        """The leading run of ``keys`` held here, pinned and touched for ``owner`` in one step,
+        its lower-tier pages read back to L1 in one batched plan (one copy per contiguous run
+        and (sub, slice), one metadata call to mark them moving and one to place them).
+        Returns the pages pinned and whether that is the whole run (False: L1 could not take
+        more pinned pages, the rest are unpinned again)."""
+        _, _, lock = self._ready()
+        async with lock:  # no plan is half done while the lock is held: every slot is settled
+            run = []
+            for key in keys:
+                s = self._core.lookup(key)
+                if s is None:
+                    break
+                run.append(s.slot)
+            if not run:
+                return [], True
+            held = {sid for sid in run if owner in self._core.slot(sid).active}
+            self._core.take(run, owner)
+            down = [sid for sid in run if self._core.slot(sid).tier != L1]
+            whole = True
+            if down:
+                try:
+                    await self._planned(self._readback_plan(down))
+                except PoolExhaustedError:  # not all at once: page by page, up to the first
+                    run, whole = await self._readback_each(run, owner, held), False
+            self.counters["hits"] += len(run)
+            return run, whole
+
+    def _readback_plan(self, slots: list[int]) -> Callable[[set[int], set[int]], Plan]:
+        return lambda ex, nd: self._core.plan_readback(slots, exclude=ex, nodrop=nd)
+
+    async def _readback_each(self, run: list[int], owner: str, held: set[int]) -> list[int]:
+        """Read ``run``'s pages back one at a time (lock held); at the first that L1 cannot
+        take, unpin it and the rest for ``owner`` (except those it ``held`` before) and
+        return the prefix read back."""
+        for j, sid in enumerate(run):
+            if self._core.slot(sid).tier == L1:
+                continue
+            try:
+                await self._planned(self._readback_plan([sid]))
+            except PoolExhaustedError:
+                for rest in run[j:]:
+                    if rest not in held:
+                        self._core.unpin(rest, owner)
+                return run[:j]
+        return run
 
     async def _acquire(self, key: str, providers: dict[str, str], owner: str) -> int | None:
         """One page of a match, pinned for ``owner``; concurrent misses share one future."""
@@ -585,46 +640,13 @@ class ParamsPool:
         slots = await self._fetch([key], [providers], owner)
         return slots[0] if slots else None
 
-    async def _readback_run(self, keys: list[str]) -> None:
-        """Pin the local pages of a match's leading run and read the lower-tier ones back to
-        L1 in one batched plan (as many as L1 can take; the rest go page by page)."""
-        run = []
-        for key in keys:
-            s = self._core.lookup(key)
-            if s is None:
-                break
-            run.append(s)
-        down = [s.slot for s in run if s.tier != L1]
-        if len(down) < 2:
-            return
-        _, _, lock = self._ready()
-        async with lock:
-            down = [sid for sid in down if self._core.has(sid) and self._core.slot(sid).tier != L1]
-            free_or_movable = self.capacity["l1"] - sum(
-                1 for s in self._core.slots() if s.tier == L1 and not s.movable
-            )
-            down = down[: max(0, free_or_movable)]
-            if len(down) < 2:
-                return
-            hold = self._core.new_task("readback-")  # a pin of its own, not the owner's
-            for sid in down:
-                self._core.pin(sid, hold)  # pinned: nothing moves them back down meanwhile
-            with contextlib.suppress(PoolExhaustedError):  # else page by page below
-                await self._planned(
-                    lambda ex, nd: self._core.plan_readback(down, exclude=ex, nodrop=nd)
-                )
-            for sid in down:
-                self._core.unpin(sid, hold)
-
     async def _readback(self, slot: int) -> None:
         _, _, lock = self._ready()
         async with lock:
             s = self._core.slot(slot)
             if s.tier == L1:
                 return
-            await self._planned(
-                lambda ex, nd: self._core.plan_readback(slot, exclude=ex, nodrop=nd)
-            )
+            await self._planned(self._readback_plan([slot]))
 
     async def _node_infos(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
         """Node records of ``names`` whose MAC under the cluster key holds (the others are
