@@ -104,6 +104,20 @@ async def test_run_lock_keeps_the_last_replica_of_a_running_session(backend: Any
     assert await m.match(P, "s1", ["a"]) == []
 
 
+async def test_a_match_can_take_the_run_lock_in_the_same_step(backend: Any) -> None:
+    m = backend()
+    await m.publish(P, "n1", "s1", ["a", "b"], ["0:0:4", "0:1:4"])
+    assert await m.match(P, "s1", ["a", "x"], True) == [{"n1": "0:0:4"}]
+    assert await m.match(P, "s1", [], True) == []  # a lock even for an empty query
+    assert (await m.dump(P))["runs"] == {"s:s1": 2}
+    assert await m.evict(P, "n1", ["a"], [None]) == [False]  # the session runs
+    assert await m.match(P, None, ["a"], True) == []  # no session: no run lock
+    await m.run(P, "s1", -1)
+    await m.run(P, "s1", -1)
+    assert (await m.dump(P))["runs"] == {}
+    assert await m.evict(P, "n1", ["a"], [None]) == [True]
+
+
 async def test_leave_forgets_a_node_and_its_locks(backend: Any) -> None:
     m = backend()
     await m.register(P, "n1", {"host": "h", "addr": ""})

@@ -175,12 +175,47 @@ async def test_a_matched_run_is_read_back_in_one_batch(make: Any, pages: int) ->
         mp.setattr(torch.Tensor, "copy_", counting)
         m = await pool.match("s", keys, "r")
     assert m.pages == pages
-    assert meta.round_trips - before == 4  # match, run lock, mark moving, new places
+    assert meta.round_trips - before == 3  # match (+ run lock), mark moving, new places
     assert copies == [pages] * len(LAYOUT.coords())  # one run: one copy per (sub, slice)
     for key, slot in zip(keys, m.slots, strict=True):
         assert pool._core.slot(slot).tier == L1 and same(pool, slot, data[key])
     assert pool.stats()["hits"] == pages
     await pool.release("r")
+
+
+async def test_a_redis_match_is_one_request_even_an_owners_first(redis: Any) -> None:
+    """Counted on the wire: every request the client sends (a command, a pipeline or a
+    script) goes through one ``send_packed_command`` of a connection."""
+    from redis.asyncio.connection import AbstractConnection
+
+    pool = of.ParamsPool("kv", LAYOUT, {"l1": 16, "l2": 0}, metadata=redis.url)
+    try:
+        keys = of.chain_hashes([[i] for i in range(8)])
+        slots = await pool.alloc("w", 8)
+        await pool.publish("chat", keys, slots)
+        await pool.release("w")
+        warm = await pool.match("chat", keys, "warm")  # the connection is made
+        assert warm.pages == 8
+        sent: list[Any] = []
+        real = AbstractConnection.send_packed_command
+
+        async def counting(self: Any, command: Any, check_health: bool = True) -> None:
+            sent.append(command)
+            await real(self, command, check_health)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(AbstractConnection, "send_packed_command", counting)
+            m = await pool.match("chat", keys, "reader")  # first match of this owner
+            assert m.pages == 8 and len(sent) == 1
+            m2 = await pool.match("chat", keys[:4], "reader")  # again: no second run lock
+            assert m2.pages == 4 and len(sent) == 2
+        dump = await pool._meta.dump("kv")  # type: ignore[union-attr]
+        assert dump["runs"] == {"s:chat": 2}  # "warm" and "reader" hold the session
+        await pool.release("reader")
+        await pool.release("warm")
+        assert (await pool._meta.dump("kv"))["runs"] == {}  # type: ignore[union-attr]
+    finally:
+        await pool.aclose()
 
 
 async def test_alloc_fails_at_once_without_touching_owned_pages(make: Any) -> None:

@@ -40,7 +40,7 @@ OPS: dict[str, str] = {
     "nodes": "l",
     "publish": "soll",
     "provide": "sll",
-    "match": "ol",
+    "match": "olb",
     "evict": "sln",
     "lock": "ssl",
     "unlock": "ssl",
@@ -188,9 +188,9 @@ class HostedMetadata(Metadata):
         return out
 
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        out: list[dict[str, str]] = await self._call("match", pool, session, list(keys))
+        out: list[dict[str, str]] = await self._call("match", pool, session, list(keys), run)
         return out
 
     async def evict(

@@ -2,7 +2,7 @@
 
 Two backends with the same behaviour (``tests/data/test_kv_meta.py`` runs one suite on both):
 ``MemoryMetadata`` (one process, or hosted by the front) and ``RedisMetadata`` (``_redis.py``:
-every write one Lua script, every read one pipeline). Per pool:
+every write and every match one Lua script, other reads one pipeline). Per pool:
 
 - *chains*: a session's set of published page hashes (``None``: the public chain). A hash
   covers its whole prefix, so the longest prefix of a query is the run of its hashes that are
@@ -66,9 +66,11 @@ class Metadata(ABC):
 
     @abstractmethod
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        """Providers of the longest prefix of ``keys`` in the session's or the public chain."""
+        """Providers of the longest prefix of ``keys`` in the session's or the public chain;
+        with ``run`` (and a session) the session's run lock is taken (+1) in the same step,
+        so a caller's first match of a session is still one request."""
 
     @abstractmethod
     async def evict(
@@ -204,9 +206,11 @@ class MemoryMetadata(Metadata):
         return out
 
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
         p = self._p(pool)
+        if run and session is not None:
+            p.runs[chain_name(session)] = p.runs.get(chain_name(session), 0) + 1
         mine = p.chains.get(chain_name(session), set())
         public = p.chains.get(PUBLIC, set())
         out = []

@@ -523,10 +523,13 @@ class ParamsPool:
         viewed in their L2."""
         owner = _owner(self.name, owner)
         _store, meta, _lock = await self._open()
-        if session is not None:
-            await self._bind_run(owner, session)
         keys = list(hashes)
-        providers = await meta.match(self.name, session, keys)
+        bound = self._runs.get(owner, ())
+        new_run = session is not None and session not in bound  # taken by the match's request
+        providers = await meta.match(self.name, session, keys, new_run)
+        if new_run:
+            assert session is not None
+            self._runs.setdefault(owner, set()).add(session)
         got: list[int] = []
         i = 0
         while i < len(providers):

@@ -1,4 +1,5 @@
-"""The Params Pools' metadata in Redis: every write one Lua script, every read one pipeline.
+"""The Params Pools' metadata in Redis: every write and a match one Lua script, other reads one
+pipeline.
 
 Keys of pool ``p`` (prefix ``ofkv:{p}:``), all values plain strings (JSON for node records;
 nothing read from Redis is ever unpickled):
@@ -145,6 +146,27 @@ end
 return 1
 """
 
+#: ARGV: prefix, chain, public chain, run ("1": take the chain's run lock), key1, ...
+#: Returns the providers (flat HGETALL lists) of the longest prefix of the keys that is in the
+#: chain or the public one and has a provider: a caller's whole match is this one request.
+MATCH = """
+local pre, chain, public = ARGV[1], ARGV[2], ARGV[3]
+if ARGV[4] == '1' then redis.call('HINCRBY', pre .. 'R', chain, 1) end
+local mine = pre .. 'C:' .. chain
+local pub = pre .. 'C:' .. public
+local out = {}
+for i = 5, #ARGV do
+  local key = ARGV[i]
+  if redis.call('SISMEMBER', mine, key) == 0 and redis.call('SISMEMBER', pub, key) == 0 then
+    break
+  end
+  local prov = redis.call('HGETALL', pre .. 'P:' .. key)
+  if #prov == 0 then break end
+  out[#out + 1] = prov
+end
+return out
+"""
+
 #: ARGV: prefix, chain, delta
 RUN = """
 local n = redis.call('HINCRBY', ARGV[1] .. 'R', ARGV[2], tonumber(ARGV[3]))
@@ -189,6 +211,7 @@ class RedisMetadata(Metadata):
                 "register": REGISTER,
                 "publish": PUBLISH,
                 "provide": PROVIDE,
+                "match": MATCH,
                 "evict": EVICT,
                 "lock": LOCK,
                 "unlock": UNLOCK,
@@ -197,10 +220,19 @@ class RedisMetadata(Metadata):
             }.items()
         }
         self.round_trips = 0
+        #: Whether the scripts were loaded into the server (once, by the first call).
+        self._loaded = False
 
     async def _call(self, name: str, args: list[Any]) -> Any:
-        self.round_trips += 1
         try:
+            if not self._loaded:  # every script in one request, so no call pays a NOSCRIPT
+                self.round_trips += 1
+                pipe = self._r.pipeline(transaction=False)
+                for script in self._scripts.values():
+                    pipe.script_load(script.script)
+                await pipe.execute()
+                self._loaded = True
+            self.round_trips += 1
             return await self._scripts[name](keys=[], args=args)
         except OSError as exc:
             raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
@@ -252,29 +284,14 @@ class RedisMetadata(Metadata):
         return [bool(x) for x in await self._call("provide", args)]
 
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        if not keys:
+        take = run and session is not None
+        if not keys and not take:
             return []
-        pre = self._pre(pool)
-        mine, public = pre + "C:" + chain_name(session), pre + "C:" + PUBLIC
-        pipe = self._r.pipeline(transaction=False)
-        for key in keys:
-            pipe.sismember(mine, key)
-            pipe.sismember(public, key)
-            pipe.hgetall(pre + "P:" + key)
-        self.round_trips += 1
-        try:
-            raw = await pipe.execute()
-        except OSError as exc:
-            raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
-        out = []
-        for i in range(len(keys)):
-            in_mine, in_public, prov = raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]
-            if not prov or not (in_mine or in_public):
-                break
-            out.append(dict(prov))
-        return out
+        args = [self._pre(pool), chain_name(session), PUBLIC, "1" if take else "0", *keys]
+        raw = await self._call("match", args)
+        return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in raw]
 
     async def evict(
         self, pool: str, node: str, keys: Sequence[str], locs: Sequence[str | None]
