@@ -16,7 +16,9 @@ from _hosted_wire import hosted_client
 from omniflow._exceptions import DataError
 from omniflow.data.kv._hosted import HostedMetadata, check, serve
 from omniflow.data.kv._meta import PUBLIC, MemoryMetadata, Metadata
+from omniflow.data.kv._notice import NoticeSeal
 from omniflow.data.kv._redis import RedisMetadata
+from omniflow.transport._auth import generate_key
 
 P = "pool"
 
@@ -159,31 +161,36 @@ async def check_invariants(m: Metadata, held: dict[str, set[str]]) -> None:
 async def test_subscribers_get_one_batch_per_publish_of_their_chain(
     backend: Any, request: pytest.FixtureRequest
 ) -> None:
+    """Through Redis the batches are sealed pub/sub messages (each node seals its own)."""
     pub, sub = backend(), backend()
-    if "redis" in request.node.callspec.id:
-        with pytest.raises(DataError, match="notifications"):
-            await sub.subscribe(P, "n2", "s1", True)
-        return
+    redis = "redis" in request.node.callspec.id
+    key = generate_key()
+    n1, n2 = NoticeSeal(P, "n1", key), NoticeSeal(P, "n2", key)
     got: list[tuple[str, str | None, list[str]]] = []
     await sub.register(P, "n2", {"host": "h"})
-    sub.listen(P, "n2", lambda pool, s, keys: got.append((pool, s, keys)))
+    sub.listen(P, "n2", lambda pool, s, keys: got.append((pool, s, keys)), n2)
     await sub.subscribe(P, "n2", "s1", True)
     await sub.subscribe(P, "n2", None, True)
-    await pub.publish(P, "n1", "s1", ["a", "b"], ["0:0:4", "0:1:4"])
-    await pub.publish(P, "n1", "s2", ["x"], ["0:2:4"])  # another session: not told
-    await pub.publish(P, "n1", None, ["sys"], ["0:3:4"])
-    await pub.publish(P, "n1", "s1", ["ghost"], [""])  # no provider: never joins the chain
-    await sub.publish(P, "n2", "s1", ["c"], ["0:0:4"])  # its own publish: not told
-    await sub.dump(P)  # one more round trip: every notification sent before it has arrived
-    assert got == [(P, "s1", ["a", "b"]), (P, None, ["sys"])]
-    assert (await pub.dump(P))["subs"] == {"s:s1": ["n2"], PUBLIC: ["n2"]}
+    await pub.publish(P, "n1", "s1", ["a", "b"], ["0:0:4", "0:1:4"], n1)
+    await pub.publish(P, "n1", "s2", ["x"], ["0:2:4"], n1)  # another session: not told
+    await pub.publish(P, "n1", None, ["sys"], ["0:3:4"], n1)
+    await pub.publish(P, "n1", "s1", ["ghost", "b"], ["", ""], n1)  # ghost never joins
+    await sub.publish(P, "n2", "s1", ["c"], ["0:0:4"], n2)  # its own publish: not told
+    await sub.settle(P)  # every notification of a publish that finished has arrived
+    assert got == [(P, "s1", ["a", "b"]), (P, None, ["sys"]), (P, "s1", ["b"])]
+    if not redis:  # Redis keeps subscriptions on the pub/sub connection, not in keys
+        assert (await pub.dump(P))["subs"] == {"s:s1": ["n2"], PUBLIC: ["n2"]}
     await sub.subscribe(P, "n2", "s1", False)
-    await pub.publish(P, "n1", "s1", ["d"], ["0:4:4"])
+    await pub.publish(P, "n1", "s1", ["d"], ["0:4:4"], n1)
+    await sub.settle(P)
     await sub.leave(P, "n2")  # leaving ends every subscription
-    await pub.publish(P, "n1", None, ["sys2"], ["0:5:4"])
-    await sub.dump(P)
-    assert len(got) == 2
-    assert (await pub.dump(P))["subs"] == {}
+    await pub.publish(P, "n1", None, ["sys2"], ["0:5:4"], n1)
+    await sub.settle(P)
+    assert len(got) == 3
+    if not redis:
+        assert (await pub.dump(P))["subs"] == {}
+    else:
+        assert n2.stats.accepted == 4 and sum(n2.stats.dropped.values()) == 0
 
 
 @pytest.mark.timeout(300)

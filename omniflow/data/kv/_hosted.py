@@ -22,10 +22,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import DataError
 from omniflow.data.kv._meta import MemoryMetadata, Metadata, Notify
+
+if TYPE_CHECKING:
+    from omniflow.data.kv._notice import NoticeSeal
 
 __all__ = ["OPS", "HostedMetadata", "serve"]
 
@@ -133,8 +136,10 @@ class HostedMetadata(Metadata):
         else:
             fut.set_result(value)
 
-    def listen(self, pool: str, node: str, callback: Notify) -> None:
-        self._listeners[pool] = callback
+    def listen(
+        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
+    ) -> None:
+        self._listeners[pool] = callback  # the worker's connection is sealed already
 
     def notify(self, pool: str, session: str | None, keys: list[str]) -> None:
         """A batch the front sent: pages published in a chain this process subscribed to."""
@@ -144,6 +149,11 @@ class HostedMetadata(Metadata):
 
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
         await self._call("subscribe", pool, node, session, on)
+
+    async def settle(self, pool: str) -> None:
+        """One round trip: the front sends a notification on this worker's connection inside
+        the publish, so it is here once the answer to a call made after the publish is."""
+        await self._call("nodes", pool, [])
 
     @property
     def pending(self) -> int:
@@ -177,7 +187,13 @@ class HostedMetadata(Metadata):
         return out
 
     async def publish(
-        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
+        self,
+        pool: str,
+        node: str,
+        session: str | None,
+        keys: Sequence[str],
+        locs: Sequence[str],
+        seal: NoticeSeal | None = None,
     ) -> None:
         await self._call("publish", pool, node, session, list(keys), list(locs))
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from omniflow._exceptions import DataError
+if TYPE_CHECKING:
+    from omniflow.data.kv._notice import NoticeSeal
 
 __all__ = ["PUBLIC", "MemoryMetadata", "Metadata", "Notify"]
 
@@ -54,9 +56,17 @@ class Metadata(ABC):
 
     @abstractmethod
     async def publish(
-        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
+        self,
+        pool: str,
+        node: str,
+        session: str | None,
+        keys: Sequence[str],
+        locs: Sequence[str],
+        seal: NoticeSeal | None = None,
     ) -> None:
-        """Add ``keys`` to the session's chain and ``node`` as their provider (``locs``)."""
+        """Add ``keys`` to the session's chain and ``node`` as their provider (``locs``), and
+        notify the chain's subscribers of the pages that joined it (``seal`` seals the notice
+        where it crosses an untrusted medium: Redis pub/sub)."""
 
     @abstractmethod
     async def provide(
@@ -99,20 +109,22 @@ class Metadata(ABC):
     async def dump(self, pool: str) -> dict[str, object]:
         """Everything, for invariant checks in tests: chains, providers, locks, runs."""
 
-    def listen(self, pool: str, node: str, callback: Notify) -> None:
-        """Where ``node``'s notifications go in this process (``subscribe`` says which)."""
-        raise DataError(
-            f"pool '{pool}': publish notifications need the in-memory or front-hosted "
-            f"metadata; {type(self).__name__} does not deliver them yet"
-        )
+    @abstractmethod
+    def listen(
+        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
+    ) -> None:
+        """Where ``node``'s notifications go in this process (``subscribe`` says which);
+        ``seal`` opens them where they cross Redis."""
 
+    @abstractmethod
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
         """Notify ``node`` (``on``) or stop notifying it of pages published in the session's
         chain (None: the public one); one batch per publish, never its own publishes."""
-        raise DataError(
-            f"pool '{pool}': publish notifications need the in-memory or front-hosted "
-            f"metadata; {type(self).__name__} does not deliver them yet"
-        )
+
+    async def settle(self, pool: str) -> None:
+        """Return once every notification of a publish that finished before this call has
+        reached this client's listeners (in memory: at once, they are called in the publish)."""
+        return None
 
     async def close(self) -> None:
         return None
@@ -142,7 +154,9 @@ class MemoryMetadata(Metadata):
         #: (pool, node) -> where its notifications go
         self._listeners: dict[tuple[str, str], Notify] = {}
 
-    def listen(self, pool: str, node: str, callback: Notify) -> None:
+    def listen(
+        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
+    ) -> None:
         self._listeners[(pool, node)] = callback
 
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
@@ -178,7 +192,13 @@ class MemoryMetadata(Metadata):
         return {n: dict(p.nodes[n]) for n in names if n in p.nodes}
 
     async def publish(
-        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
+        self,
+        pool: str,
+        node: str,
+        session: str | None,
+        keys: Sequence[str],
+        locs: Sequence[str],
+        seal: NoticeSeal | None = None,
     ) -> None:
         p = self._p(pool)
         name = chain_name(session)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from omniflow._exceptions import DataError, PoolExhaustedError, RuntimeClosedError
 from omniflow.data.kv._layout import Match, PageLayout, chain_hashes
 from omniflow.data.kv._meta import MemoryMetadata, Metadata
+from omniflow.data.kv._notice import NoticeSeal
 from omniflow.data.kv._slots import L1, L2, TIERS, Plan, SlotCore
 from omniflow.transport._auth import KEY_ENV, WireStats, generate_key, resolve_key
 
@@ -159,6 +160,10 @@ class ParamsPool:
         self._resign = False
         #: Pull requests and answers accepted and dropped (bad MAC, replay, malformed, ...).
         self.wire = WireStats()
+        #: Publish notifications (through Redis) accepted and dropped, likewise.
+        self.notice_wire = WireStats()
+        #: Seals the notices of this pool's publishes, opens those it gets (made at open).
+        self._seal: NoticeSeal | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -210,6 +215,7 @@ class ParamsPool:
                 "lid": self.layout.layout_id,
             }
             self._info = info
+            self._seal = NoticeSeal(self.name, self.node, self._cluster_key(), self.notice_wire)
             await self._meta.register(self.name, self.node, self._signed(info))
             self._store = store
             self._opening.set_result(None)
@@ -239,6 +245,8 @@ class ParamsPool:
             self._server.rekey(raw)
         if self._client is not None:
             self._client.rekey(raw)
+        if self._seal is not None:
+            self._seal.rekey(raw)
 
     def _cluster_key(self) -> bytes:
         if self._key is None:
@@ -258,18 +266,20 @@ class ParamsPool:
             await self._server.close()
         if self._client is not None:
             self._client.close()
-        if self._meta is not None:
-            try:
-                await self._meta.leave(self.name, self.node)
-            finally:
-                if isinstance(self.metadata, str):
-                    await self._meta.close()
-        for att in self._attached.values():
-            att.close()
-        self._attached.clear()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        try:
+            if self._meta is not None:
+                try:
+                    await self._meta.leave(self.name, self.node)
+                finally:
+                    if isinstance(self.metadata, str):
+                        await self._meta.close()
+        finally:  # the memory is freed even when the metadata is unreachable
+            for att in self._attached.values():
+                att.close()
+            self._attached.clear()
+            if self._store is not None:
+                self._store.close()
+                self._store = None
 
     def use_metadata(self, meta: Metadata) -> bool:
         """Use ``meta`` (the metadata its runtime's front hosts) where ``metadata`` is None;
@@ -508,7 +518,7 @@ class ParamsPool:
                 if session is not None:
                     for owner in owners:
                         await self._bind_run(owner, session)
-            await meta.publish(self.name, self.node, session, keys, locs)
+            await meta.publish(self.name, self.node, session, keys, locs, self._seal)
 
     async def match(self, session: str | None, hashes: Sequence[str], owner: str) -> Match:
         """The longest published prefix of ``hashes`` for ``session``, pinned for ``owner``:
@@ -923,10 +933,11 @@ class ParamsPool:
     async def subscribe(self, session: str | None, *, preload: bool = False) -> None:
         """Be notified (in batches: one per publish) of pages another process publishes in
         the session's chain (None: the public chain); with ``preload`` copy them into this
-        pool's own tiers at once, so a later ``match`` is a local hit with no fetch. Needs the
-        in-memory or front-hosted metadata (DataError for Redis)."""
+        pool's own tiers at once, so a later ``match`` is a local hit with no fetch. Through
+        Redis the notices are pub/sub messages sealed with the cluster key; forged ones are
+        dropped and counted (``stats()["wire"]["notice_dropped_*"]``)."""
         _store, meta, _lock = await self._open()
-        meta.listen(self.name, self.node, self._notified)
+        meta.listen(self.name, self.node, self._notified, self._seal)
         self._subs[session] = preload
         await meta.subscribe(self.name, self.node, session, True)
 
@@ -959,7 +970,10 @@ class ParamsPool:
                 await self.release(owner)
 
     async def preloads(self) -> None:
-        """Wait until every preload started so far has finished."""
+        """Wait until the notices of every publish finished so far have arrived and every
+        preload they started has finished."""
+        if self._subs and self._meta is not None and not self._closed:
+            await self._meta.settle(self.name)
         while self._preloads:
             await asyncio.gather(*list(self._preloads), return_exceptions=True)
 
@@ -996,6 +1010,7 @@ class ParamsPool:
                 **self.wire.snapshot(),
                 "pull_failures": self.counters["pull_failures"],
                 "forged_records": self.counters["forged_records"],
+                **{f"notice_{k}": v for k, v in self.notice_wire.snapshot().items()},
             },
         }
 
