@@ -260,6 +260,8 @@ async def test_eight_clients_race_publish_match_evict(backend: Any) -> None:
         ("match", "p"),
         ("match", ["p", None]),
         ("match", ["p", None, ["a", 1]]),
+        ("match", ["p", None, ["a"], 1]),
+        ("match", ["p", None, ["a"], True, True]),
         ("publish", ["p", "n", None, ["a"], [None]]),
         ("register", ["p", "n", {"host": 1}]),
         ("run", ["p", "s", True]),

@@ -36,14 +36,15 @@ __all__ = ["OPS", "HostedMetadata", "serve"]
 DEFAULT_TIMEOUT = 30.0
 
 # Argument kinds: s str, o str or None, l list of str, n list of (str or None), d dict
-# str -> str, i int, b bool.
+# str -> str, i int, b bool; those after "|" may be left out (a call from a worker that does
+# not use them reads as before).
 #: operation -> kinds of its arguments after the pool name.
 OPS: dict[str, str] = {
     "register": "sd",
     "nodes": "l",
     "publish": "soll",
     "provide": "sll",
-    "match": "olb",
+    "match": "ol|b",
     "evict": "sln",
     "lock": "ssl",
     "unlock": "ssl",
@@ -75,11 +76,14 @@ def _ok(kind: str, v: Any) -> bool:
 
 def check(op: str, args: Any) -> None:
     """DataError unless ``args`` are ``[pool, *arguments]`` of the metadata operation ``op``."""
-    kinds = OPS.get(op) if type(op) is str else None
-    if kinds is None:
+    spec = OPS.get(op) if type(op) is str else None
+    if spec is None:
         raise DataError(f"hosted metadata: unknown operation {op!r:.40}")
-    if type(args) is not list or len(args) != len(kinds) + 1 or type(args[0]) is not str:
-        raise DataError(f"hosted metadata: '{op}' takes a pool name and {len(kinds)} arguments")
+    need, _, optional = spec.partition("|")
+    n = len(args) - 1 if type(args) is list else -1
+    if not len(need) <= n <= len(need) + len(optional) or type(args[0]) is not str:
+        raise DataError(f"hosted metadata: '{op}' takes a pool name and {len(need)} arguments")
+    kinds = (need + optional)[:n]
     for i, (kind, v) in enumerate(zip(kinds, args[1:], strict=True)):
         if not _ok(kind, v):
             raise DataError(
@@ -206,7 +210,8 @@ class HostedMetadata(Metadata):
     async def match(
         self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        out: list[dict[str, str]] = await self._call("match", pool, session, list(keys), run)
+        args: list[Any] = [session, list(keys), True] if run else [session, list(keys)]
+        out: list[dict[str, str]] = await self._call("match", pool, *args)
         return out
 
     async def evict(
