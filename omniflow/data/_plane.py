@@ -522,7 +522,9 @@ class PullClient:
             if inner is None:
                 continue  # counted by the opener
             try:
-                msg = decode_msg(inner)
+                # The block's bytes stay a view of the received frame: decode_block makes the
+                # one private copy (an owned decode here would copy 64 MiB twice).
+                msg = decode_msg(inner, owned=False)
             except ProtocolError as exc:
                 self._opener.stats.drop(exc.reason)
                 continue
