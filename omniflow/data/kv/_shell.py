@@ -2,10 +2,11 @@
 
 ``ParamsPool`` is built in layers, each a class over the one below, each one responsibility
 (a layer calls only down): ``PoolShell`` (this: state, open/close, the cluster key, node
-records, the pages a pull asks for) -> ``PoolMoves`` (``_moves``: plans cleared with the metadata, allocation, readback)
--> ``PoolFetch`` (``_fetch``: pages of other processes, viewed in place or pulled) ->
-``PoolMatch`` (``_match``: match, pins, release) -> ``PoolSubscriptions`` (``_subscribe``:
-publish notifications and preload) -> ``ParamsPool`` (``_pool``: the public surface).
+records, the pages a pull asks for) -> ``PoolMoves`` (``_moves``: plans cleared with the
+metadata, allocation, readback) -> ``PoolFetch`` (``_fetch``: pages of other processes, viewed
+in place or pulled) -> ``PoolMatch`` (``_match``: match, pins, release) ->
+``PoolSubscriptions`` (``_subscribe``: publish notifications and preload) -> ``ParamsPool``
+(``_pool``: the public surface).
 
 The shell owns everything with a side effect: the tensors (``_tiers``), the metadata backend
 (``_meta`` / ``_redis`` / ``_hosted``), the pull server and client (``_pull``), the asyncio
