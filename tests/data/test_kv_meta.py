@@ -166,25 +166,27 @@ async def test_subscribers_get_one_batch_per_publish_of_their_chain(
     redis = "redis" in request.node.callspec.id
     key = generate_key()
     n1, n2 = NoticeSeal(P, "n1", key), NoticeSeal(P, "n2", key)
+    pub.use_seal(P, "n1", n1)
+    sub.use_seal(P, "n2", n2)
     got: list[tuple[str, str | None, list[str]]] = []
     await sub.register(P, "n2", {"host": "h"})
-    sub.listen(P, "n2", lambda pool, s, keys: got.append((pool, s, keys)), n2)
+    sub.listen(P, "n2", lambda pool, s, keys: got.append((pool, s, keys)))
     await sub.subscribe(P, "n2", "s1", True)
     await sub.subscribe(P, "n2", None, True)
-    await pub.publish(P, "n1", "s1", ["a", "b"], ["0:0:4", "0:1:4"], n1)
-    await pub.publish(P, "n1", "s2", ["x"], ["0:2:4"], n1)  # another session: not told
-    await pub.publish(P, "n1", None, ["sys"], ["0:3:4"], n1)
-    await pub.publish(P, "n1", "s1", ["ghost", "b"], ["", ""], n1)  # ghost never joins
-    await sub.publish(P, "n2", "s1", ["c"], ["0:0:4"], n2)  # its own publish: not told
+    await pub.publish(P, "n1", "s1", ["a", "b"], ["0:0:4", "0:1:4"])
+    await pub.publish(P, "n1", "s2", ["x"], ["0:2:4"])  # another session: not told
+    await pub.publish(P, "n1", None, ["sys"], ["0:3:4"])
+    await pub.publish(P, "n1", "s1", ["ghost", "b"], ["", ""])  # ghost never joins
+    await sub.publish(P, "n2", "s1", ["c"], ["0:0:4"])  # its own publish: not told
     await sub.settle(P)  # every notification of a publish that finished has arrived
     assert got == [(P, "s1", ["a", "b"]), (P, None, ["sys"]), (P, "s1", ["b"])]
     if not redis:  # Redis keeps subscriptions on the pub/sub connection, not in keys
         assert (await pub.dump(P))["subs"] == {"s:s1": ["n2"], PUBLIC: ["n2"]}
     await sub.subscribe(P, "n2", "s1", False)
-    await pub.publish(P, "n1", "s1", ["d"], ["0:4:4"], n1)
+    await pub.publish(P, "n1", "s1", ["d"], ["0:4:4"])
     await sub.settle(P)
     await sub.leave(P, "n2")  # leaving ends every subscription
-    await pub.publish(P, "n1", None, ["sys2"], ["0:5:4"], n1)
+    await pub.publish(P, "n1", None, ["sys2"], ["0:5:4"])
     await sub.settle(P)
     assert len(got) == 3
     if not redis:

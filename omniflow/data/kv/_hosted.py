@@ -22,13 +22,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omniflow._exceptions import DataError
 from omniflow.data.kv._meta import MemoryMetadata, Metadata, Notify
-
-if TYPE_CHECKING:
-    from omniflow.data.kv._notice import NoticeSeal
 
 __all__ = ["OPS", "HostedMetadata", "serve"]
 
@@ -140,9 +137,7 @@ class HostedMetadata(Metadata):
         else:
             fut.set_result(value)
 
-    def listen(
-        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
-    ) -> None:
+    def listen(self, pool: str, node: str, callback: Notify) -> None:
         self._listeners[pool] = callback  # the worker's connection is sealed already
 
     def notify(self, pool: str, session: str | None, keys: list[str]) -> None:
@@ -191,13 +186,7 @@ class HostedMetadata(Metadata):
         return out
 
     async def publish(
-        self,
-        pool: str,
-        node: str,
-        session: str | None,
-        keys: Sequence[str],
-        locs: Sequence[str],
-        seal: NoticeSeal | None = None,
+        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
     ) -> None:
         await self._call("publish", pool, node, session, list(keys), list(locs))
 

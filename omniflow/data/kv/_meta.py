@@ -56,17 +56,10 @@ class Metadata(ABC):
 
     @abstractmethod
     async def publish(
-        self,
-        pool: str,
-        node: str,
-        session: str | None,
-        keys: Sequence[str],
-        locs: Sequence[str],
-        seal: NoticeSeal | None = None,
+        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
     ) -> None:
         """Add ``keys`` to the session's chain and ``node`` as their provider (``locs``), and
-        notify the chain's subscribers of the pages that joined it (``seal`` seals the notice
-        where it crosses an untrusted medium: Redis pub/sub)."""
+        notify the chain's subscribers of the pages that joined it."""
 
     @abstractmethod
     async def provide(
@@ -109,12 +102,15 @@ class Metadata(ABC):
     async def dump(self, pool: str) -> dict[str, object]:
         """Everything, for invariant checks in tests: chains, providers, locks, runs."""
 
+    def use_seal(self, pool: str, node: str, seal: NoticeSeal) -> None:
+        """The seal of ``node``'s notices where they cross an untrusted medium (Redis pub/sub):
+        it seals what ``node`` publishes and opens what it is notified of. In memory and
+        front-hosted, notices never leave trusted code: nothing to do."""
+        return None
+
     @abstractmethod
-    def listen(
-        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
-    ) -> None:
-        """Where ``node``'s notifications go in this process (``subscribe`` says which);
-        ``seal`` opens them where they cross Redis."""
+    def listen(self, pool: str, node: str, callback: Notify) -> None:
+        """Where ``node``'s notifications go in this process (``subscribe`` says which)."""
 
     @abstractmethod
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
@@ -154,9 +150,7 @@ class MemoryMetadata(Metadata):
         #: (pool, node) -> where its notifications go
         self._listeners: dict[tuple[str, str], Notify] = {}
 
-    def listen(
-        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
-    ) -> None:
+    def listen(self, pool: str, node: str, callback: Notify) -> None:
         self._listeners[(pool, node)] = callback
 
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
@@ -192,13 +186,7 @@ class MemoryMetadata(Metadata):
         return {n: dict(p.nodes[n]) for n in names if n in p.nodes}
 
     async def publish(
-        self,
-        pool: str,
-        node: str,
-        session: str | None,
-        keys: Sequence[str],
-        locs: Sequence[str],
-        seal: NoticeSeal | None = None,
+        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
     ) -> None:
         p = self._p(pool)
         name = chain_name(session)

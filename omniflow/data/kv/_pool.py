@@ -141,7 +141,7 @@ class ParamsPool(PoolSubscriptions):
                 if session is not None:
                     for owner in owners:
                         await self._bind_run(owner, session)
-            await meta.publish(self.name, self.node, session, keys, locs, self._seal)
+            await meta.publish(self.name, self.node, session, keys, locs)
 
     async def writable(self, owner: str, slot: int) -> int:
         """A slot ``owner`` may append to: ``slot`` itself when only ``owner`` holds it and it is

@@ -239,8 +239,10 @@ class RedisMetadata(Metadata):
         self.round_trips = 0
         #: Whether the scripts were loaded into the server (once, by the first call).
         self._loaded = False
-        #: (pool, node) -> where its notifications go and the seal that opens them.
-        self._listeners: dict[tuple[str, str], tuple[Notify, NoticeSeal]] = {}
+        #: (pool, node) -> the seal of its notices (seals its publishes, opens what it gets).
+        self._seals: dict[tuple[str, str], NoticeSeal] = {}
+        #: (pool, node) -> where its notifications go.
+        self._listeners: dict[tuple[str, str], Notify] = {}
         #: pub/sub channel -> the (pool, node)s of this client subscribed to it, and session.
         self._channels: dict[str, dict[tuple[str, str], str | None]] = {}
         #: The pub/sub connection (made by the first subscribe) and the task reading it.
@@ -295,14 +297,9 @@ class RedisMetadata(Metadata):
         return out
 
     async def publish(
-        self,
-        pool: str,
-        node: str,
-        session: str | None,
-        keys: Sequence[str],
-        locs: Sequence[str],
-        seal: NoticeSeal | None = None,
+        self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
     ) -> None:
+        seal = self._seals.get((pool, node))
         notice = seal.seal(session, keys) if seal is not None and keys else ""
         args: list[Any] = [self._pre(pool), node, chain_name(session), notice]
         for key, loc in zip(keys, locs, strict=True):
@@ -354,6 +351,7 @@ class RedisMetadata(Metadata):
     async def leave(self, pool: str, node: str) -> None:
         await self._call("leave", [self._pre(pool), node])
         self._listeners.pop((pool, node), None)
+        self._seals.pop((pool, node), None)
         for subs in list(self._channels.values()):
             if (pool, node) in subs:
                 await self.subscribe(pool, node, subs[(pool, node)], False)
@@ -379,15 +377,16 @@ class RedisMetadata(Metadata):
 
     # -- publish notifications: Redis pub/sub, sealed by the publishing pool ------------------
 
-    def listen(
-        self, pool: str, node: str, callback: Notify, seal: NoticeSeal | None = None
-    ) -> None:
-        if seal is None:
+    def use_seal(self, pool: str, node: str, seal: NoticeSeal) -> None:
+        self._seals[(pool, node)] = seal
+
+    def listen(self, pool: str, node: str, callback: Notify) -> None:
+        if (pool, node) not in self._seals:
             raise DataError(
                 f"pool '{pool}': notifications through Redis are sealed with the cluster key; "
-                "listen needs the pool's NoticeSeal"
+                "use_seal(pool, node, seal) before listen"
             )
-        self._listeners[(pool, node)] = (callback, seal)
+        self._listeners[(pool, node)] = callback
 
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
         channel = self._pre(pool) + "notify:" + chain_name(session)
@@ -480,10 +479,9 @@ class RedisMetadata(Metadata):
 
     def _deliver(self, channel: Any, payload: Any) -> None:
         for (pool, node), session in list(self._channels.get(channel, {}).items()):
-            listener = self._listeners.get((pool, node))
-            if listener is None:
+            callback, seal = self._listeners.get((pool, node)), self._seals.get((pool, node))
+            if callback is None or seal is None:
                 continue
-            callback, seal = listener
             keys = seal.open(session, payload)
             if keys:
                 callback(pool, session, keys)

@@ -218,6 +218,7 @@ class PoolShell:
             }
             self._info = info
             self._seal = NoticeSeal(self.name, self.node, self._cluster_key(), self.notice_wire)
+            self._meta.use_seal(self.name, self.node, self._seal)
             await self._meta.register(self.name, self.node, self._signed(info))
             self._store = store
             self._opening.set_result(None)

@@ -29,7 +29,7 @@ class PoolSubscriptions(PoolMatch):
         Redis the notices are pub/sub messages sealed with the cluster key; forged ones are
         dropped and counted (``stats()["wire"]["notice_dropped_*"]``)."""
         _store, meta, _lock = await self._open()
-        meta.listen(self.name, self.node, self._notified, self._seal)
+        meta.listen(self.name, self.node, self._notified)
         self._subs[session] = preload
         await meta.subscribe(self.name, self.node, session, True)
 
