@@ -20,6 +20,11 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "omniflow"
 #: Importable by every layer; they import nothing of omniflow themselves.
 BASE = frozenset({"_exceptions", "_types"})
 
+#: Every layer below serve: what serve, the package root and the test helpers may import.
+BELOW_SERVE = frozenset(
+    {"dsl", "plan", "_loader", "runtime", "transport", "registry", "data", "data.kv", "compute"}
+)
+
 #: layer -> the layers it may import (itself and BASE always).
 LAYERS: dict[str, frozenset[str]] = {
     "_exceptions": frozenset(),
@@ -30,36 +35,17 @@ LAYERS: dict[str, frozenset[str]] = {
     "data.kv": frozenset({"data", "transport"}),  # the Params Pool on the data plane
     # Graph(pools=...) checks for a ParamsPool; data.kv imports no dsl and no torch.
     "dsl": frozenset({"data.kv"}),
-    "plan": frozenset({"dsl"}),
-    "runtime": frozenset({"dsl", "plan", "transport", "registry", "data", "data.kv"}),
+    "plan": frozenset({"dsl"}),  # compiles Graphs; loads no files
+    "_loader": frozenset({"dsl", "plan"}),  # graph files and modules -> Graphs -> plans
+    "runtime": frozenset({"dsl", "plan", "_loader", "transport", "registry", "data", "data.kv"}),
     "compute": frozenset({"dsl", "data", "data.kv"}),  # model code inside roles
-    "serve": frozenset(
-        {"dsl", "plan", "runtime", "transport", "registry", "data", "data.kv", "compute"}
-    ),
+    "serve": BELOW_SERVE,
     # The package root re-exports the public API: everything but serve, cli and testing.
-    "omniflow": frozenset(
-        {"dsl", "plan", "runtime", "transport", "registry", "data", "data.kv", "compute"}
-    ),
+    "omniflow": BELOW_SERVE,
     # Test helpers, for omniflow's tests and users' (nothing in the package imports them).
-    "testing": frozenset(
-        {"dsl", "plan", "runtime", "transport", "registry", "data", "data.kv", "compute"}
-    ),
+    "testing": BELOW_SERVE,
     # The command line (cli.py, _cli_*.py, __main__.py) sits on everything.
-    "cli": frozenset(
-        {
-            "omniflow",
-            "dsl",
-            "plan",
-            "runtime",
-            "transport",
-            "registry",
-            "data",
-            "data.kv",
-            "compute",
-            "serve",
-            "testing",
-        }
-    ),
+    "cli": BELOW_SERVE | {"omniflow", "serve", "testing"},
 }
 
 #: Nested packages that are layers of their own (every other module belongs to its top folder).

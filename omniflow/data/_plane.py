@@ -24,13 +24,13 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
 from omniflow.data._attach import PoolAttachment
 from omniflow.data._handle import BlockHandle
 from omniflow.data._pool import SharedBufferPool
+from omniflow.data._ref import CONNECTORS, DataRef
 from omniflow.transport._auth import Opener, Sealer, WireStats
 from omniflow.transport._protocol import (
     ProtocolError,
@@ -53,8 +53,6 @@ __all__ = [
 ]
 
 HOST = socket.gethostname()
-#: Connector names an edge may ask for.
-CONNECTORS = ("auto", "inproc", "shm", "zmq")
 #: Values of at least this many bytes go through the data plane (256 KiB).
 DEFAULT_THRESHOLD = 256 * 1024
 #: Default capacity of a process's pool (fixed; a value that does not fit rides inline).
@@ -76,26 +74,6 @@ def default_capacity() -> int:
     if value <= 0:
         raise DataError(f"{POOL_BYTES_ENV}={raw!r} must be a positive number of bytes")
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class DataRef:
-    """What a control message carries instead of a big value."""
-
-    #: The block in the producer's pool (dtype and shape included).
-    handle: BlockHandle
-    #: Host and process of the producer (connector choice: inproc / shm / zmq).
-    host: str
-    pid: int
-    #: Where the producer answers pulls (its worker address); "" for the front.
-    source: str
-    #: (from node, call id, field, payload key): the RFC's key, minus the consumer (one block
-    #: serves every consumer edge; each edge holds a reference).
-    key: tuple[str, str, str, str]
-
-    @property
-    def nbytes(self) -> int:
-        return self.handle.nbytes
 
 
 def choose_connector(ref: DataRef, wanted: str = "auto") -> str:
@@ -443,15 +421,6 @@ def _lost_error(address: str, ref: DataRef) -> DataError:
     )
 
 
-def refs_in(value: Any) -> list[DataRef]:
-    """DataRefs in a kwargs value (the value itself, or the items of a collected list)."""
-    if type(value) is DataRef:
-        return [value]
-    if type(value) is list or type(value) is tuple:
-        return [v for v in value if type(v) is DataRef]
-    return []
-
-
 class PullClient:
     """Pulls blocks from producers on other hosts over the control transport (DEALER side).
 
@@ -522,7 +491,9 @@ class PullClient:
             if inner is None:
                 continue  # counted by the opener
             try:
-                msg = decode_msg(inner)
+                # The block's bytes stay a view of the received frame: decode_block makes the
+                # one private copy (an owned decode here would copy 64 MiB twice).
+                msg = decode_msg(inner, owned=False)
             except ProtocolError as exc:
                 self._opener.stats.drop(exc.reason)
                 continue

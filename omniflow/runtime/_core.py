@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from omniflow._exceptions import NodeError
-from omniflow.data._plane import DataRef
+from omniflow.data._ref import DataRef
 from omniflow.runtime._buckets import (
     DEAD,
     FIRE,

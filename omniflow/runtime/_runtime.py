@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Generator
 from types import MappingProxyType
 from typing import Any
 
@@ -39,9 +38,11 @@ from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
+from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
-from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
+from omniflow.runtime._placement import plan_processes, resolve_connectors
+from omniflow.runtime._remote import RemoteRoles
 from omniflow.transport._auth import WireStats, resolve_key
 
 __all__ = ["Runtime", "RuntimeState"]
@@ -71,36 +72,6 @@ def _context_of(call: Call, act: Activation) -> ActivationContext:
         aid=act.aid,
         pools=call._rt._pool_view,
     )
-
-
-class _Continue:
-    """Await an already-started coroutine that is suspended on ``fut`` (eager start's tail)."""
-
-    __slots__ = ("coro", "fut")
-
-    def __init__(self, coro: Any, fut: Any) -> None:
-        self.coro = coro
-        self.fut = fut
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        coro, fut = self.coro, self.fut
-        while True:
-            try:
-                yield fut
-            except BaseException as exc:  # thrown in by our task: cancellation
-                try:
-                    fut = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-                continue
-            try:
-                fut = coro.send(None)
-            except StopIteration as stop:
-                return stop.value
-
-
-async def _await_continue(cont: _Continue) -> Any:
-    return await cont
 
 
 class Runtime:
@@ -624,20 +595,19 @@ class Runtime:
         token = _current.set((_context_of, call, act))
         try:
             try:
-                coro = method(**act.kwargs)
-                fut = coro.send(None)
-            except StopIteration as stop:
-                if self.metrics is None:
-                    core.on_return(act, stop.value)
-                else:
-                    if stop.value is not None:
-                        core.on_frame(act, stop.value)
-                    self._done(call, core, act, None)
-                return
+                out = first_step(method, act.kwargs)
             except (Exception, asyncio.CancelledError) as exc:
                 self._done(call, core, act, exc)
                 return
-            task = asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
+            if type(out) is not Running:
+                if self.metrics is None:
+                    core.on_return(act, out)
+                else:
+                    if out is not None:
+                        core.on_frame(act, out)
+                    self._done(call, core, act, None)
+                return
+            coro, task = out
             act.task = task
             self._track(task)
             task.add_done_callback(lambda t: self._resumed(call, core, act, coro, t))
@@ -680,8 +650,7 @@ class Runtime:
         its first step never ran its body, so its end is reported here (else the call would
         wait for it forever)."""
         if act.task is task and act.state == RUNNING and not call.done:
-            exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-            self._ended(call, core, act, exc or asyncio.CancelledError())
+            self._ended(call, core, act, generator_end(task))
 
     def _resumed(
         self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
@@ -698,50 +667,30 @@ class Runtime:
     def _resumed_step(
         self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
     ) -> None:
-        if task.cancelled():
-            coro.close()
-            self._done(call, core, act, asyncio.CancelledError())
-        else:
-            exc = task.exception()
-            if exc is not None:
-                self._done(call, core, act, exc)
-            else:
-                value = task.result()
-                if value is not None:
-                    core.on_frame(act, value)
-                self._done(call, core, act, None)
+        end = finished(coro, task)
+        if end.error is None and end.value is not None:
+            core.on_frame(act, end.value)
+        self._done(call, core, act, end.error)
         self._pump(call)
 
     async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
-        exc: BaseException | None = None
-        try:
-            while True:
-                try:
-                    frame = await agen.__anext__()
-                except StopAsyncIteration:
-                    break
-                if call.done:
-                    break
-                try:
-                    accepted = core.on_frame(act, frame)
-                    self._pump(call)
-                except Exception as internal:
-                    self._crash(call, internal)
-                    break
-                if not accepted:
-                    break
-                if call._congested():
-                    await call._wait_space()
-        except asyncio.CancelledError as e:
-            exc = e
-        except Exception as e:
-            exc = e
-        finally:
+        """Run a generator method here (``_drive.drive``): its frames go to the call core."""
+
+        def push(frame: Any) -> bool:
+            if call.done:
+                return False
             try:
-                await agen.aclose()
-            except BaseException as e:  # a generator that misbehaves on close
-                exc = exc or e
-        self._ended(call, core, act, exc)
+                accepted = core.on_frame(act, frame)
+                self._pump(call)
+            except Exception as internal:
+                self._crash(call, internal)
+                return False
+            return accepted
+
+        def space() -> Any:
+            return call._wait_space() if call._congested() else None
+
+        self._ended(call, core, act, await drive(agen, push, space))
 
     def _done(self, call: Call, core: CallCore, act: Activation, exc: BaseException | None) -> None:
         m = self.metrics

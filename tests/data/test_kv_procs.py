@@ -121,7 +121,7 @@ async def test_two_workers_share_one_front_hosted_metadata_and_l2() -> None:
                 break
             await asyncio.sleep(0.05)
         assert (await meta.dump("kvs"))["locks"] == {}
-        writers = {n for rep in rt.remote._replicas.values() for _, n in rep.pool_nodes}
+        writers = {n for rep in rt.remote.fleet.replicas.values() for _, n in rep.pool_nodes}
         assert len(writers) == 2  # both workers' pools registered with the front
     # Both workers left: the front forgot their pools, so nothing points at their memory.
     assert (await meta.dump("kvs"))["providers"] == {}

@@ -111,7 +111,7 @@ def test_a_module_whose_own_import_is_missing_names_the_missing_one(
 
 
 def test_where_a_load_failed_without_a_frame_in_the_graph_file(tmp_path: Path) -> None:
-    from omniflow.plan._parser import _where
+    from omniflow._loader import _where
 
     graph_file = tmp_path / "g.py"
     # Never raised: no traceback at all.

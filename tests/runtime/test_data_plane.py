@@ -83,7 +83,7 @@ async def runtime() -> AsyncIterator[Factory]:
                 assert rt.stats() == ZERO
                 await assert_pools_empty(rt)
         finally:
-            procs = [r.process for r in rt.remote._replicas.values()] if rt.remote else []
+            procs = [r.process for r in rt.remote.fleet.replicas.values()] if rt.remote else []
             await rt.close()
             assert all(p is None or p.returncode is not None for p in procs)
 

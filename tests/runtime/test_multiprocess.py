@@ -127,7 +127,7 @@ def idle(rt: of.Runtime) -> bool:
 def spawned_pid(rt: of.Runtime) -> int:
     """The pid of the one worker ``rt`` spawned."""
     assert rt.remote is not None
-    [pid] = [r.process.pid for r in rt.remote._replicas.values() if r.process is not None]
+    [pid] = [r.process.pid for r in rt.remote.fleet.replicas.values() if r.process is not None]
     return pid
 
 
@@ -529,7 +529,7 @@ _MESSAGES = st.one_of(
 async def test_fuzzed_messages_never_kill_a_worker() -> None:
     async with front(mp.scale, of.Deploy({"r": {}})) as rt:
         assert rt.remote is not None
-        [rep] = rt.remote._replicas.values()
+        [rep] = rt.remote.fleet.replicas.values()
         address, pid = rep.address, (await rt.run("mp_scale", {"x": 0}))["pid"][0]
         seen: list[int] = []
 
