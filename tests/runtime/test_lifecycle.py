@@ -250,7 +250,9 @@ async def test_status_is_cancelled_as_soon_as_the_loop_is_left(runtime: Factory)
     rt = await runtime(lg.deadline, lg.quick)
 
     def start() -> of.Call:
-        return rt.call("lg_deadline", {"s": 0.0})  # a 1000-frame stream
+        # 1000 frames 0.05 s apart: the stream cannot end before the caller leaves the loop
+        # (with no gap a worker could send all of them and its done first, and the call be "ok").
+        return rt.call("lg_deadline", {"s": 0.05})
 
     call = start()
     async for f in call:

@@ -386,7 +386,8 @@ async def test_sigkill_of_a_registry_found_worker_mid_stream(
             return replicas(rt) == 2
 
         await eventually(adopted, "the front adopts the hand-started worker", 30)
-        calls = [rt.call("mp_stream", {"n": 60, "every": 0.02}) for _ in range(2)]
+        # 3 s streams: the doomed one cannot finish before the kill, however loaded the machine.
+        calls = [rt.call("mp_stream", {"n": 60, "every": 0.05}) for _ in range(2)]
         streams = [aiter(c) for c in calls]  # keep them: a dropped iterator cancels its call
         pids = [(await anext(s)).value[1] for s in streams]
         assert sorted(pids) == sorted([spawned_pid(rt), extra.pid])  # round robin: one each
@@ -422,7 +423,8 @@ async def test_redis_restart_disturbs_no_call_and_workers_reregister(
 ) -> None:
     async with front(mp.stream, of.Deploy({"s": {}}), registry=redis.url) as rt:
         [pid] = await registered_pids(observer, "s")
-        call = rt.call("mp_stream", {"n": 50, "every": 0.02})
+        # A 5 s stream: still running when the restart (a thread, slow under load) is done.
+        call = rt.call("mp_stream", {"n": 50, "every": 0.1})
         got: list[list[int]] = []
         restarted_at = 0.0
         async for frame in call:
