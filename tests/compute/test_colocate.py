@@ -117,6 +117,7 @@ def test_propose_in_setup_then_wait_at_first_use() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_engines_take_seats_at_the_barrier(tmp_path: Path) -> None:
     """TorchEngine loads first and proposes 300 pages, DiTEngine proposes 200 later: requests
     to the LLM wait for the pool instead of failing, and both engines get one pool of 200."""
