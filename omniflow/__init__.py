@@ -37,7 +37,7 @@ from omniflow.dsl import (
     interface,
 )
 from omniflow.plan import StaticPlan, load_graphs, parse, parse_graphs
-from omniflow.runtime import Call, Deploy, Frame, Runtime
+from omniflow.runtime import Call, Deploy, Frame, Ray, Runtime
 
 __version__ = "0.1.0"
 
@@ -98,6 +98,7 @@ __all__ = [
     "ParamsPool",
     "Placeholder",
     "PoolExhaustedError",
+    "Ray",
     "RegistryError",
     "RequestError",
     "Role",

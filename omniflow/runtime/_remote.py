@@ -136,14 +136,19 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
     if placement == "inproc":
         return []
     wanted: dict[str, dict[str, Any]]
+    from omniflow.runtime._ray_plan import Ray
+
     if placement == "process":
         wanted = {r: {"process": r, "replicas": 1} for r in role_modules}
     elif isinstance(placement, Deploy):
         wanted = placement.roles
+    elif isinstance(placement, Ray):  # one actor group per role (launcher: _ray.py)
+        ray_roles = placement.plan(role_modules).roles
+        wanted = {r: {"process": r, "replicas": ray_roles[r].replicas} for r in role_modules}
     else:
         raise OmniflowError(
-            f"placement={placement!r} is not understood; use 'inproc', 'process' or "
-            "omniflow.Deploy({...})"
+            f"placement={placement!r} is not understood; use 'inproc', 'process', "
+            "omniflow.Deploy({...}) or omniflow.Ray({...})"
         )
     groups: dict[str, ProcessSpec] = {}
     #: process name -> the role whose options gave the group its replica count.
@@ -259,10 +264,14 @@ class RemoteRoles:
         cluster_key: bytes | None = None,
         heartbeat_misses: int = 10,
         respawn: bool = True,
+        launcher: Any = None,
     ) -> None:
         from omniflow.transport._auth import resolve_key
 
         self.processes = processes
+        #: Starts replicas somewhere else than in a subprocess (``_ray.RayLauncher``); it
+        #: returns a process-like handle (``wait``, ``returncode``, ``send_signal``, ``kill``).
+        self.launcher = launcher
         #: The deployment's key (workers spawned here get it in their environment).
         self.cluster_key = cluster_key if cluster_key is not None else resolve_key()[0]
         #: Accepted and dropped messages from replicas, by reason.
@@ -356,6 +365,14 @@ class RemoteRoles:
     async def _spawn(self, spec: ProcessSpec, slot: int) -> None:
         n = next(self._addresses)
         rid = f"{spec.name}-{slot}-{self._token}" + (f"-r{n}" if n >= self._initial else "")
+        if self.launcher is not None:
+            proc, address = await self.launcher.start(
+                spec, slot, rid, owner=self._token, heartbeat_interval=self.heartbeat_interval,
+                registry=self.registry_url, cluster_key=self.cluster_key, tmp=self._tmp,
+                plane=self.plane,
+            )  # fmt: skip
+            await self._started(spec, slot, rid, address, proc)
+            return
         address = f"ipc://{self._tmp}/w{n}.sock"
         cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
         for role in spec.roles:
@@ -379,6 +396,12 @@ class RemoteRoles:
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env
         )
+        await self._started(spec, slot, rid, address, proc)
+
+    async def _started(
+        self, spec: ProcessSpec, slot: int, rid: str, address: str, proc: Any
+    ) -> None:
+        """Watch a started replica's process (or launcher handle) and connect to it."""
         rep = _Replica(rid, list(spec.roles), address, process=proc, spec=spec, slot=slot)
         rep.born = asyncio.get_running_loop().time()
         self._replicas[rid] = rep
@@ -437,6 +460,8 @@ class RemoteRoles:
         if self._registry is not None:
             with contextlib.suppress(Exception):
                 await self._registry.close()
+        if self.launcher is not None:
+            await self.launcher.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._tmp):
                 os.unlink(os.path.join(self._tmp, name))

@@ -41,6 +41,7 @@ from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
+from omniflow.runtime._ray_plan import Ray
 from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
 from omniflow.transport._auth import WireStats, resolve_key
 
@@ -112,7 +113,8 @@ class Runtime:
 
     ``placement`` selects where roles run (CONTRACT §5): ``"inproc"`` (every role in this
     event loop), ``"process"`` (every role in a worker process of its own) or
-    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here).
+    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here) or
+    ``omniflow.Ray({...})`` (every role's replicas on Ray actors, CONTRACT §6).
     ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory);
     workers heartbeat every ``heartbeat_interval`` seconds from their event loop and count as
     lost (a spawned one is killed, then respawned with backoff) ``heartbeat_misses`` intervals
@@ -195,6 +197,7 @@ class Runtime:
                 heartbeat_interval=heartbeat_interval,
                 cluster_key=key,
                 heartbeat_misses=heartbeat_misses,
+                launcher=_launcher(placement, role_modules),
             )
             if processes
             else None
@@ -941,6 +944,15 @@ class Runtime:
                 else:
                     del self._queues[call.session]
                     self._session_idle(call.session)
+
+
+def _launcher(placement: Any, role_modules: dict[str, str | None]) -> Any:
+    """What starts the replicas: None (subprocesses) unless Ray places them."""
+    if not isinstance(placement, Ray):
+        return None
+    from omniflow.runtime._ray import RayLauncher
+
+    return RayLauncher(placement, placement.plan(role_modules))
 
 
 async def setup_role(name: str, setup: Any) -> None:

@@ -1,0 +1,294 @@
+"""Front side of ``of.Ray``: placement groups, one actor per replica, Ray's view of liveness.
+
+``RemoteRoles`` starts replicas through a launcher (``_remote.py``); this is the Ray one. Each
+replica is a ``ReplicaHost`` actor (``_ray_actor.py``) that runs the existing worker loop and
+answers on ZMQ, so everything after ``start`` (routing, supervision, the data plane, errors)
+is the multi-process runtime's, unchanged. What Ray adds:
+
+- **Placement.** Each layer-0 role gets a placement group, one bundle per replica (strategy
+  from the deploy map); its replica ``i`` runs in bundle ``i`` with its ``num_gpus``. A layer
+  >= 1 role asks for no GPU, runs in the bundle of the role it colocates with, and gets that
+  bundle's ``CUDA_VISIBLE_DEVICES`` (read from the layer-0 replica there) in its constructor.
+- **Liveness.** A replica is a process-like ``RayReplica``: ``wait()`` holds the actor's
+  ``wait`` call open, which returns when the worker leaves and fails when Ray loses the actor
+  (the front then fails the calls it held with the usual NodeError and respawns: the handle
+  reaches the actor Ray restarted, up to ``max_restarts``). ``send_signal`` (the front gave up
+  on a silent replica) kills the actor and lets Ray restart it.
+- **Teardown.** ``close`` kills every actor (no restart) and removes every placement group;
+  nothing is detached, so a driver that dies takes its actors with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from omniflow._exceptions import OmniflowError
+
+if TYPE_CHECKING:
+    from omniflow.data._plane import DataPlane
+    from omniflow.runtime._ray_plan import Ray, RayPlan
+    from omniflow.runtime._remote import ProcessSpec
+
+__all__ = ["RayLauncher", "RayReplica", "import_ray"]
+
+logger = logging.getLogger("omniflow.ray")
+
+#: Exit code a replica reports when Ray lost its actor (as a SIGKILLed process would).
+LOST = -9
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or an error that says how to get it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise OmniflowError(
+            "placement=of.Ray(...) needs the 'ray' package: pip install 'omniflow[ray]'"
+        ) from exc
+    return ray
+
+
+def _cause(exc: BaseException) -> str:
+    """The worker's own error inside a RayTaskError (``type: message``), else the error."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return (
+            str(cause) if isinstance(cause, OmniflowError) else f"{type(cause).__name__}: {cause}"
+        )
+    return f"{type(exc).__name__}: {exc}"
+
+
+class RayReplica:
+    """A replica's actor, seen by ``RemoteRoles`` as it sees a spawned process."""
+
+    def __init__(self, launcher: RayLauncher, actor: Any, info: dict[str, Any]) -> None:
+        self._launcher = launcher
+        self.actor = actor
+        #: What ``start`` reported: address, pid, node, cuda, gpu_ids.
+        self.info = info
+        self.pid: int = int(info["pid"])
+        #: None while the actor serves; 0 after a clean leave, LOST when Ray lost it, 1 when
+        #: its worker loop failed.
+        self.returncode: int | None = None
+        self._waiter = actor.wait.remote()
+        self._done: asyncio.Task[int] | None = None
+
+    async def _watch(self) -> int:
+        ray = import_ray()
+        try:
+            failure = await self._waiter
+        except ray.exceptions.RayError as exc:
+            logger.warning("ray lost the actor of replica pid %s: %s", self.pid, _brief(exc))
+            self.returncode = LOST
+        else:
+            self.returncode = 0 if failure is None else 1
+            if failure is not None:
+                logger.warning("replica pid %s: worker loop failed: %s", self.pid, failure)
+        return self.returncode
+
+    async def wait(self) -> int:
+        """Until the worker leaves (0) or Ray loses the actor (LOST)."""
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_task(self._watch())
+        return await asyncio.shield(self._done)
+
+    def send_signal(self, _sig: int) -> None:
+        """The front gave up on it: kill the actor and let Ray restart it."""
+        self._launcher.kill(self.actor, restart=True)
+
+    def kill(self) -> None:
+        self._launcher.kill(self.actor, restart=False)
+
+
+def _brief(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+class RayLauncher:
+    """Starts the replicas of one runtime as Ray actors in their placement groups."""
+
+    def __init__(self, placement: Ray, plan: RayPlan, start_timeout: float = 60.0) -> None:
+        self.placement = placement
+        self.plan = plan
+        self.start_timeout = start_timeout
+        #: Whether this launcher called ``ray.init`` (then ``close`` shuts Ray down).
+        self.owns_ray = False
+        #: The Ray node id of this (the front's) process.
+        self.node_id = ""
+        #: Layer-0 role -> its placement group.
+        self.groups: dict[str, Any] = {}
+        #: (role, slot) -> the actor serving that slot (kept across restarts).
+        self.actors: dict[tuple[str, int], Any] = {}
+        #: (role, slot) -> the last ``start`` report of that slot's actor.
+        self.reports: dict[tuple[str, int], dict[str, Any]] = {}
+        #: (layer-0 role, bundle) -> CUDA_VISIBLE_DEVICES there (None: no GPU in the bundle).
+        self._bundle_env: dict[tuple[str, int], asyncio.Future[str | None]] = {}
+        self._ready: asyncio.Task[None] | None = None
+        self._actor_class: Any = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup
+
+    async def _connect(self, plane: DataPlane | None) -> None:
+        ray = import_ray()
+        if not ray.is_initialized():
+            where = self.placement.address or "a new local instance"
+            try:
+                ray.init(address=self.placement.address)
+            except Exception as exc:
+                raise OmniflowError(f"of.Ray: cannot start or join Ray at {where}: {exc}") from exc
+            self.owns_ray = True
+        from omniflow.runtime._ray_actor import ReplicaHost
+
+        self._actor_class = ray.remote(ReplicaHost)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        if plane is not None:  # blocks this front offloads are mapped by actors on its node
+            plane.shm.host = self.node_id
+        from ray.util.placement_group import placement_group
+
+        for role_name, bundles in self.plan.bundles.items():
+            role = self.plan.roles[role_name]
+            self.groups[role_name] = placement_group(
+                bundles, strategy=role.strategy, name=f"omniflow-{role_name}-{id(self):x}"
+            )
+        for role_name, pg in self.groups.items():
+            try:
+                await asyncio.wait_for(pg.ready(), self.placement.ready_timeout)
+            except TimeoutError:
+                role = self.plan.roles[role_name]
+                raise OmniflowError(
+                    f"of.Ray: the placement group of role '{role_name}' ({role.replicas} "
+                    f"bundle(s) {self.plan.bundles[role_name][0]}, strategy {role.strategy}) "
+                    f"was not placed within {self.placement.ready_timeout}s; the cluster has "
+                    f"{_resources(ray.available_resources())} free of "
+                    f"{_resources(ray.cluster_resources())}: lower the role's replicas or "
+                    "resources, or add nodes"
+                ) from None
+
+    async def _ensure_ready(self, plane: DataPlane | None) -> None:
+        if self._ready is None:
+            self._ready = asyncio.get_running_loop().create_task(self._connect(plane))
+        await asyncio.shield(self._ready)
+
+    # ------------------------------------------------------------------ replicas
+
+    async def start(
+        self,
+        spec: ProcessSpec,
+        slot: int,
+        replica_id: str,
+        *,
+        owner: str,
+        heartbeat_interval: float,
+        registry: str | None,
+        cluster_key: bytes,
+        tmp: str,
+        plane: DataPlane | None,
+    ) -> tuple[RayReplica, str]:
+        """Start (or restart) the actor of ``spec``'s replica ``slot``; (replica, address)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from omniflow.runtime._ray_actor import Secret
+
+        if self._closed:
+            raise OmniflowError("of.Ray: this runtime's replicas are shut down")
+        await self._ensure_ready(plane)
+        (role_name,) = spec.roles
+        role = self.plan.roles[role_name]
+        anchor, bundle = self.plan.slot(role_name, slot)
+        env_key = (anchor, bundle)
+        env_fut = self._bundle_env.get(env_key)
+        if env_fut is None:
+            env_fut = self._bundle_env[env_key] = asyncio.get_running_loop().create_future()
+        actor = self.actors.get((role_name, slot))
+        if actor is None:
+            env: dict[str, str] = {}
+            if role.layer:
+                cuda = await asyncio.shield(env_fut)  # the layer-0 replica of this bundle
+                if cuda is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = cuda
+            actor = self._actor_class.options(
+                num_cpus=role.num_cpus,
+                num_gpus=role.num_gpus,
+                resources=role.resources or None,
+                max_restarts=role.max_restarts,
+                max_task_retries=0,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.groups[anchor],
+                    placement_group_bundle_index=bundle,
+                    placement_group_capture_child_tasks=False,
+                ),
+            ).remote(env)
+            self.actors[(role_name, slot)] = actor
+        ray = import_ray()
+        try:
+            info = await actor.start.remote(
+                spec.modules, spec.roles, replica_id, owner, heartbeat_interval, registry,
+                Secret(cluster_key), tmp, self.node_id, self.start_timeout,
+            )  # fmt: skip
+        except ray.exceptions.RayTaskError as exc:
+            if not role.layer and not env_fut.done():
+                env_fut.set_exception(OmniflowError(f"role '{role_name}' did not start"))
+                env_fut.exception()
+            raise OmniflowError(
+                f"worker {replica_id} (role(s) {spec.roles}) died before ready: {_cause(exc)}"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise OmniflowError(
+                f"worker {replica_id} (role(s) {spec.roles}): Ray lost its actor "
+                f"(max_restarts={role.max_restarts}): {_brief(exc)}"
+            ) from None
+        self.reports[(role_name, slot)] = info
+        if not role.layer and not env_fut.done():
+            env_fut.set_result(info["cuda"])
+        return RayReplica(self, actor, info), str(info["address"])
+
+    def kill(self, actor: Any, *, restart: bool) -> None:
+        ray = import_ray()
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=not restart)
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """What Ray placed where: one dict per replica slot (role, slot, bundle, node, pid,
+        CUDA_VISIBLE_DEVICES, gpu ids), from each actor's last start."""
+        out = []
+        for (role, slot), info in sorted(self.reports.items()):
+            anchor, bundle = self.plan.slot(role, slot)
+            out.append({"role": role, "slot": slot, "group": anchor, "bundle": bundle, **info})
+        return out
+
+    async def close(self) -> None:
+        """Kill every actor (no restart), remove every placement group, and shut Ray down
+        when this launcher started it."""
+        self._closed = True
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ready
+        with contextlib.suppress(ImportError):
+            import ray
+
+            if not ray.is_initialized():
+                return
+            from ray.util.placement_group import remove_placement_group
+
+            for actor in self.actors.values():
+                self.kill(actor, restart=False)
+            self.actors.clear()
+            for pg in self.groups.values():
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+            self.groups.clear()
+            if self.owns_ray:
+                ray.shutdown()
+
+
+def _resources(res: dict[str, float]) -> str:
+    keep = {k: v for k, v in sorted(res.items()) if not k.startswith(("node:", "memory",
+            "object_store_memory", "bundle_group"))}  # fmt: skip
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in keep.items() if "_group_" not in k) + "}"
