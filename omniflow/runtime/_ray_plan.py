@@ -11,8 +11,9 @@ A role's replica is the resource unit (the paper's §6). Roles at layer 0 (the d
 placement group each, one bundle per replica, holding that replica's ``num_cpus``,
 ``num_gpus`` and ``resources`` plus whatever the layer >= 1 roles colocated with it ask.
 A role at layer >= 1 asks Ray for no GPU and runs in the bundle of the role it ``colocate``s
-with (replica ``i`` in bundle ``i mod n``), where it later receives that bundle's
-``CUDA_VISIBLE_DEVICES``. Roles the map does not name get one replica of one CPU.
+with (replica ``i`` in bundle ``i mod n``; by default one replica per bundle), where it later
+receives that bundle's ``CUDA_VISIBLE_DEVICES``. Roles the map does not name get one
+replica of one CPU.
 """
 
 from __future__ import annotations
@@ -139,11 +140,16 @@ class Ray:
                     f"roles: {sorted(names)}"
                 )
         roles = {name: self._role(name, self.deploy.get(name, {})) for name in names}
-        for role in roles.values():
-            if role.layer:
-                _anchor_of(role, roles)  # checks the chain ends at layer 0
+        anchors = {n: _anchor_of(r, roles) for n, r in roles.items()}
         roles = {
-            n: RayRole(**{**_fields(r), "anchor": _anchor_of(r, roles)}) for n, r in roles.items()
+            n: RayRole(
+                **{
+                    **_fields(r),
+                    "anchor": anchors[n],
+                    "replicas": r.replicas or roles[anchors[n]].replicas,
+                }
+            )
+            for n, r in roles.items()
         }
         plan = RayPlan(roles)
         for role in roles.values():
@@ -179,7 +185,9 @@ class Ray:
             return v
 
         layer = integer("layer", 0, 0)
-        replicas = integer("replicas", 1, 1)
+        # A layer >= 1 role that does not say: one replica per bundle it colocates in (0 here
+        # means "not said"; ``plan`` fills it in once the anchor is known).
+        replicas = 0 if layer and "replicas" not in opts else integer("replicas", 1, 1)
         max_restarts = integer("max_restarts", -1, -1)
         resources = opts.get("resources", {})
         if not isinstance(resources, dict) or not all(isinstance(k, str) for k in resources):
