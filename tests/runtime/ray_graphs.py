@@ -79,18 +79,22 @@ class Sink(of.Role):
         return {self.field: (digest(blob), blob.nbytes, os.getpid())}
 
 
-class HoldingSink(Sink):
-    """A sink that can also hold a call open (to lose its actor mid-call)."""
+class Holder(of.Role):
+    """Holds a call open for ``hold`` seconds (to lose its actor mid-call)."""
 
     @of.interface(inputs_or=[["hold"]], outputs=["held"])
-    async def hold(self, hold: int) -> AsyncIterator[dict[str, Any]]:
+    async def hold(self, hold: float) -> AsyncIterator[dict[str, Any]]:
         yield {"held": os.getpid()}
-        await asyncio.sleep(3600)  # until its actor is killed
+        await asyncio.sleep(hold)
 
 
 nodes = of.Graph(
     "ray_nodes",
-    roles={"mn_src": Source(), "mn_far": HoldingSink("far_digest"), "mn_near": Sink("near_digest")},
-    inputs=[of.Placeholder("seed"), of.Placeholder("hold")],
-    outputs=["far_digest", "near_digest", "held"],
+    roles={"mn_src": Source(), "mn_far": Sink("far_digest"), "mn_near": Sink("near_digest")},
+    inputs=[of.Placeholder("seed")],
+    outputs=["far_digest", "near_digest"],
+)
+
+hold = of.Graph(
+    "ray_hold", roles={"mn_hold": Holder()}, inputs=[of.Placeholder("hold")], outputs=["held"]
 )
