@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import OmniflowError
@@ -32,12 +33,25 @@ if TYPE_CHECKING:
     from omniflow.runtime._ray_plan import Ray, RayPlan
     from omniflow.runtime._remote import ProcessSpec
 
-__all__ = ["RayLauncher", "RayReplica", "import_ray"]
+__all__ = ["RAY_ENV", "RayLauncher", "RayReplica", "import_ray", "init_ray"]
 
 logger = logging.getLogger("omniflow.ray")
 
 #: Exit code a replica reports when Ray lost its actor (as a SIGKILLed process would).
 LOST = -9
+#: Ray settings of the front's own Ray process, applied (unless already set) before this
+#: process initialises Ray: a call in flight on an actor that died fails after Ray waits this
+#: long for the death's cause (default 1000 ms), which is how soon a lost replica's calls fail.
+RAY_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "100"}
+
+
+def init_ray(address: str | None = None, **kwargs: Any) -> Any:
+    """``ray.init(address, **kwargs)`` with RAY_ENV's defaults for this process; the module."""
+    ray = import_ray()
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(address=address, **kwargs)
+    return ray
 
 
 def import_ray() -> Any:
@@ -138,7 +152,7 @@ class RayLauncher:
         if not ray.is_initialized():
             where = self.placement.address or "a new local instance"
             try:
-                ray.init(address=self.placement.address)
+                init_ray(self.placement.address)
             except Exception as exc:
                 raise OmniflowError(f"of.Ray: cannot start or join Ray at {where}: {exc}") from exc
             self.owns_ray = True
@@ -226,11 +240,22 @@ class RayLauncher:
             ).remote(env)
             self.actors[(role_name, slot)] = actor
         ray = import_ray()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.start_timeout
         try:
-            info = await actor.start.remote(
-                spec.modules, spec.roles, replica_id, owner, heartbeat_interval, registry,
-                Secret(cluster_key), tmp, self.node_id, self.start_timeout,
-            )  # fmt: skip
+            while True:
+                try:
+                    info = await actor.start.remote(
+                        spec.modules, spec.roles, replica_id, owner, heartbeat_interval,
+                        registry, Secret(cluster_key), tmp, self.node_id, self.start_timeout,
+                    )  # fmt: skip
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    # Ray is restarting the actor (a respawn came first): wait for it, do
+                    # not count a failed respawn (that would back off as for a crash loop).
+                    if loop.time() > deadline:
+                        raise
+                    await asyncio.sleep(0.02)
         except ray.exceptions.RayTaskError as exc:
             if not role.layer and not env_fut.done():
                 env_fut.set_exception(OmniflowError(f"role '{role_name}' did not start"))

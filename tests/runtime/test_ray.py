@@ -223,3 +223,18 @@ async def test_a_group_the_cluster_cannot_hold_is_an_actionable_error(ray_local:
     assert "placement group of role 'gpu_llm' (5 bundle(s)" in text
     assert "lower the role's replicas or resources, or add nodes" in text
     assert rt.state.value == "closed"
+
+
+def test_the_readme_deploy_file_plans_for_its_graph(tmp_path: Path) -> None:
+    """README's "Scaling out" deploy file is valid for the graph its command serves."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Scaling out", 1)[1]
+    yaml_text, after = section.split("```yaml\n", 1)[1].split("```", 1)
+    command = after.split("```\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml_text)
+    graph_file = command.split()[2]
+    assert command.split()[:2] == ["omniflow", "serve"] and "--deploy deploy.yaml" in command
+    (graph,) = of.load_graphs(Path(__file__).resolve().parents[2] / graph_file)
+    plan = of.Ray(load_deploy(path)).plan(graph.roles)
+    assert plan.roles["dit"].anchor == "llm" and plan.bundles["llm"][0]["GPU"] == 1
