@@ -39,6 +39,9 @@ logger = logging.getLogger("omniflow.ray")
 
 #: Exit code a replica reports when Ray lost its actor (as a SIGKILLed process would).
 LOST = -9
+#: Launchers using the Ray instance that one of them started in this process (the last to
+#: close shuts it down; a Ray started by anyone else is never shut down here).
+_OWNED = {"started": False, "users": 0}
 #: Ray settings of the front's own Ray process, applied (unless already set) before this
 #: process initialises Ray: a call in flight on an actor that died fails after Ray waits this
 #: long for the death's cause (default 1000 ms), which is how soon a lost replica's calls fail.
@@ -129,7 +132,8 @@ class RayLauncher:
         self.placement = placement
         self.plan = plan
         self.start_timeout = start_timeout
-        #: Whether this launcher called ``ray.init`` (then ``close`` shuts Ray down).
+        #: Whether this launcher uses a Ray that a launcher started (the last to close shuts
+        #: it down).
         self.owns_ray = False
         #: The Ray node id of this (the front's) process.
         self.node_id = ""
@@ -155,6 +159,9 @@ class RayLauncher:
                 init_ray(self.placement.address)
             except Exception as exc:
                 raise OmniflowError(f"of.Ray: cannot start or join Ray at {where}: {exc}") from exc
+            _OWNED["started"], _OWNED["users"] = True, 0
+        if _OWNED["started"]:
+            _OWNED["users"] += 1
             self.owns_ray = True
         from omniflow.runtime._ray_actor import ReplicaHost
 
@@ -239,17 +246,37 @@ class RayLauncher:
                 ),
             ).remote(env)
             self.actors[(role_name, slot)] = actor
+        try:
+            info = await self._start_actor(actor, spec, replica_id, role.max_restarts, (
+                owner, heartbeat_interval, registry, Secret(cluster_key), tmp, self.node_id,
+                self.start_timeout,
+            ))  # fmt: skip
+        except BaseException:
+            if not role.layer and not env_fut.done():  # its colocated roles wait for it
+                env_fut.set_exception(OmniflowError(f"role '{role_name}' did not start"))
+                env_fut.exception()
+            raise
+        self.reports[(role_name, slot)] = info
+        if not role.layer and not env_fut.done():
+            env_fut.set_result(info["cuda"])
+        return RayReplica(self, actor, info), str(info["address"])
+
+    async def _start_actor(
+        self, actor: Any, spec: ProcessSpec, replica_id: str, max_restarts: int,
+        args: tuple[Any, ...],
+    ) -> dict[str, Any]:  # fmt: skip
+        """``actor.start(...)``, waiting through a restart Ray has under way; the worker's own
+        failure (a failed setup()) and a lost actor as OmniflowErrors naming the replica."""
         ray = import_ray()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout
         try:
             while True:
                 try:
-                    info = await actor.start.remote(
-                        spec.modules, spec.roles, replica_id, owner, heartbeat_interval,
-                        registry, Secret(cluster_key), tmp, self.node_id, self.start_timeout,
-                    )  # fmt: skip
-                    break
+                    info: dict[str, Any] = await actor.start.remote(
+                        spec.modules, spec.roles, replica_id, *args
+                    )
+                    return info
                 except ray.exceptions.ActorUnavailableError:
                     # Ray is restarting the actor (a respawn came first): wait for it, do
                     # not count a failed respawn (that would back off as for a crash loop).
@@ -257,21 +284,14 @@ class RayLauncher:
                         raise
                     await asyncio.sleep(0.02)
         except ray.exceptions.RayTaskError as exc:
-            if not role.layer and not env_fut.done():
-                env_fut.set_exception(OmniflowError(f"role '{role_name}' did not start"))
-                env_fut.exception()
             raise OmniflowError(
                 f"worker {replica_id} (role(s) {spec.roles}) died before ready: {_cause(exc)}"
             ) from None
         except ray.exceptions.RayError as exc:
             raise OmniflowError(
                 f"worker {replica_id} (role(s) {spec.roles}): Ray lost its actor "
-                f"(max_restarts={role.max_restarts}): {_brief(exc)}"
+                f"(max_restarts={max_restarts}): {_brief(exc)}"
             ) from None
-        self.reports[(role_name, slot)] = info
-        if not role.layer and not env_fut.done():
-            env_fut.set_result(info["cuda"])
-        return RayReplica(self, actor, info), str(info["address"])
 
     def kill(self, actor: Any, *, restart: bool) -> None:
         ray = import_ray()
@@ -310,7 +330,11 @@ class RayLauncher:
                     remove_placement_group(pg)
             self.groups.clear()
             if self.owns_ray:
-                ray.shutdown()
+                self.owns_ray = False
+                _OWNED["users"] -= 1
+                if _OWNED["users"] <= 0:
+                    _OWNED["started"] = False
+                    ray.shutdown()
 
 
 def _resources(res: dict[str, float]) -> str:

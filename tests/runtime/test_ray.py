@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,58 @@ def test_the_readme_deploy_file_plans_for_its_graph(tmp_path: Path) -> None:
     (graph,) = of.load_graphs(Path(__file__).resolve().parents[2] / graph_file)
     plan = of.Ray(load_deploy(path)).plan(graph.roles)
     assert plan.roles["dit"].anchor == "llm" and plan.bundles["llm"][0]["GPU"] == 1
+
+
+def test_serve_with_placement_ray_end_to_end(tmp_path: Path) -> None:
+    """``omniflow serve --placement ray --deploy``: it starts a Ray of its own (no Ray runs in
+    that process), serves through actors, reports ready, and drains and exits 0 on SIGTERM."""
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    pytest.importorskip("ray", reason="of.Ray needs the 'ray' extra")
+    graph = tmp_path / "echo_graph.py"
+    graph.write_text(
+        "import os\nimport omniflow as of\n\n"
+        "class Echo(of.Role):\n"
+        "    @of.interface(inputs_or=[['x']], outputs=['y'])\n"
+        "    async def run(self, x):\n"
+        "        return {'y': [x, os.getpid()]}\n\n"
+        "g = of.Graph('ray_echo', roles={'echo': Echo()}, inputs=[of.Placeholder('x')],\n"
+        "             outputs=['y'])\n"
+    )
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("echo: {replicas: 2, num_cpus: 1}\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "omniflow", "serve", str(graph), "--port", "0",
+           "--placement", "ray", "--deploy", str(deploy)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 50)
+        assert ready, "no announce line within 50 s"
+        line = proc.stdout.readline().decode()
+        assert line.startswith("omniflow serve: serving ray_echo on http://"), line
+        url = line.rsplit(" ", 1)[1].strip()
+        with httpx.Client(base_url=url, timeout=20) as c:
+            assert c.get("/readyz").json() == {"status": "ready"}
+            pids = set()
+            for i in range(4):
+                r = c.post("/v1/graphs/ray_echo/call", json={"inputs": {"x": i}, "stream": False})
+                [[x, pid]] = r.json()["outputs"]["y"]
+                assert x == i
+                pids.add(pid)
+            assert len(pids) == 2 and proc.pid not in pids  # two actors, round robin
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert b"Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
