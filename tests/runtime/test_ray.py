@@ -294,3 +294,53 @@ def test_serve_with_placement_ray_end_to_end(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+async def test_a_driver_that_dies_leaves_no_actor_running(ray_local: Any, tmp_path: Path) -> None:
+    """Nothing is detached: SIGKILL the front (a driver joined to this module's Ray) and Ray
+    ends every actor it placed."""
+    import signal
+    import subprocess
+    import sys
+
+    ray = ray_local
+    address = ray.get_runtime_context().gcs_address
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import asyncio, sys\nimport omniflow as of\n"
+        "from tests.runtime import ray_graphs as rg\n\n"
+        "async def main():\n"
+        f"    rt = of.Runtime(rg.gpu, placement=of.Ray(address={address!r}))\n"
+        "    await rt.start()\n"
+        "    print(*[r['pid'] for r in rt.remote.launcher.replicas()], flush=True)\n"
+        "    await asyncio.sleep(3600)\n\n"
+        "asyncio.run(main())\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        cwd=root,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 50)
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, (line, proc.stderr.read() if proc.poll() is not None else b"")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+        def gone() -> bool:
+            for pid in pids:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                return False
+            return True
+
+        await eventually(gone, "Ray to end the dead driver's actors", 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
