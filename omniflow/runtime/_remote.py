@@ -32,6 +32,7 @@ from omniflow._exceptions import NodeError, OmniflowError, RuntimeClosedError, T
 from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane, DataRef
 from omniflow.data.kv._hosted import serve as serve_meta
 from omniflow.data.kv._meta import MemoryMetadata
+from omniflow.runtime._ray_plan import Ray
 from omniflow.transport import connect
 from omniflow.transport._auth import KEY_ENV, Opener, Sealer, WireStats
 from omniflow.transport._protocol import (
@@ -136,8 +137,6 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
     if placement == "inproc":
         return []
     wanted: dict[str, dict[str, Any]]
-    from omniflow.runtime._ray_plan import Ray
-
     if placement == "process":
         wanted = {r: {"process": r, "replicas": 1} for r in role_modules}
     elif isinstance(placement, Deploy):
