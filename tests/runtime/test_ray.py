@@ -348,3 +348,20 @@ async def test_a_driver_that_dies_leaves_no_actor_running(ray_local: Any, tmp_pa
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+async def test_the_cluster_key_reaches_actors_but_no_log(ray_local: Any) -> None:
+    """The key travels as a hidden ``start`` argument: the replicas authenticate with it, and
+    no file of Ray's session (logs of the driver, raylet and every worker) contains it."""
+    ray = ray_local
+    key = "ray-test-key-" + os.urandom(16).hex()
+    async with of.Runtime(rg.gpu, placement=of.Ray(), cluster_key=key) as rt:
+        frames = [f async for f in rt.call("ray_gpu", {"go": 1})]
+        assert {f.field for f in frames} == {"llm_env", "dit_env"}
+        assert rt.wire_stats()["accepted"] > 0
+        assert sum(v for k, v in rt.wire_stats().items() if k.startswith("dropped")) == 0
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    needle = key.encode()
+    assert any(logs.glob("worker-*")), f"no worker logs under {logs}"  # we look at the right place
+    leaked = [p for p in logs.rglob("*") if p.is_file() and needle in p.read_bytes()]
+    assert leaked == []
