@@ -4,8 +4,9 @@ The front (``_ray.RayLauncher``) creates one ``ReplicaHost`` actor per replica a
 ``start``: the actor names its node for the data plane (the Ray node id), binds the worker's
 ROUTER endpoint (``ipc://`` on the front's node, ``tcp://<node ip>:0`` elsewhere) and runs
 ``Worker.run`` in a thread of its own, with its own event loop, so Ray's calls into the actor
-(``wait``, ``stop``) never queue behind the worker's work. From there the front talks to it
-over ZMQ exactly as to a spawned worker: same protocol, same authentication, same data plane.
+(``wait``) never queue behind the worker's work. From there the front talks to it over ZMQ
+exactly as to a spawned worker: same protocol, same authentication, same data plane, and the
+same ``stop`` message to end it.
 
 The constructor's ``env`` is applied before anything else runs in the process, so a layer >= 1
 replica gets its bundle's ``CUDA_VISIBLE_DEVICES`` before any CUDA import (Ray leaves it unset
@@ -48,8 +49,6 @@ class ReplicaHost:
         os.environ.update(env)
         #: The thread that runs the worker loop (None before ``start``).
         self._thread: threading.Thread | None = None
-        self._worker: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         #: Why the worker loop ended, when it failed.
         self._error: BaseException | None = None
 
@@ -100,7 +99,7 @@ class ReplicaHost:
             cluster_key=key.value,
             owner=owner,
         )
-        self._worker, self._error = worker, None
+        self._error = None
         self._thread = threading.Thread(
             target=self._serve, args=(worker,), name=f"omniflow-{replica_id}", daemon=True
         )
@@ -124,13 +123,11 @@ class ReplicaHost:
 
     def _serve(self, worker: Any) -> None:
         loop = asyncio.new_event_loop()
-        self._loop = loop
         try:
             loop.run_until_complete(worker.run())
         except BaseException as exc:
             self._error = exc
         finally:
-            self._loop = None
             loop.close()
 
     def wait(self) -> str | None:
@@ -143,9 +140,3 @@ class ReplicaHost:
         if thread is not None:
             thread.join()
         return None if self._error is None else f"{type(self._error).__name__}: {self._error}"
-
-    def stop(self) -> None:
-        """Ask the worker loop to leave (as SIGTERM does for a worker process)."""
-        loop, worker = self._loop, self._worker
-        if loop is not None and worker is not None:
-            loop.call_soon_threadsafe(worker._stop.set)
