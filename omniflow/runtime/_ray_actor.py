@@ -17,9 +17,11 @@ as a ``start`` argument wrapped in ``Secret`` (never argv, never the environment
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ReplicaHost", "Secret"]
@@ -51,6 +53,8 @@ class ReplicaHost:
         self._thread: threading.Thread | None = None
         #: Why the worker loop ended, when it failed.
         self._error: BaseException | None = None
+        #: Asks the running worker loop to leave (set once its loop runs).
+        self._halt: Callable[[], Any] | None = None
 
     def start(
         self,
@@ -76,8 +80,17 @@ class ReplicaHost:
         from omniflow.data.kv import _pool as kv_pool
         from omniflow.runtime._worker import Worker
 
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError(f"replica {replica_id}: this actor already runs a worker")
+        old = self._thread
+        if old is not None and old.is_alive():
+            # The front lost sight of this actor while its worker ran on (a transient Ray
+            # error): end that worker, so the replica starts over on a fresh connection.
+            halt = self._halt
+            if halt is not None:
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                    halt()
+            old.join(start_timeout)
+            if old.is_alive():
+                raise RuntimeError(f"replica {replica_id}: the previous worker did not leave")
         ctx = ray.get_runtime_context()
         node = ctx.get_node_id()
         # Node identity from Ray: refs from another Ray node are pulled over ZMQ, refs from
@@ -123,11 +136,13 @@ class ReplicaHost:
 
     def _serve(self, worker: Any) -> None:
         loop = asyncio.new_event_loop()
+        self._halt = lambda: loop.call_soon_threadsafe(worker._stop.set)
         try:
             loop.run_until_complete(worker.run())
         except BaseException as exc:
             self._error = exc
         finally:
+            self._halt = None
             loop.close()
 
     def wait(self) -> str | None:

@@ -365,3 +365,27 @@ async def test_the_cluster_key_reaches_actors_but_no_log(ray_local: Any) -> None
     assert any(logs.glob("worker-*")), f"no worker logs under {logs}"  # we look at the right place
     leaked = [p for p in logs.rglob("*") if p.is_file() and needle in p.read_bytes()]
     assert leaked == []
+
+
+async def test_a_second_start_replaces_the_worker_an_actor_runs(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    """A front that lost sight of a live actor (a transient Ray error) starts it again: the
+    old worker leaves and a new one serves on a fresh endpoint, in the same process."""
+    from omniflow.runtime._ray_actor import ReplicaHost, Secret
+
+    ray = ray_local
+    actor = ray.remote(ReplicaHost).options(max_concurrency=4).remote({})
+    node = ray.get_runtime_context().get_node_id()
+    module = rg.gpu.module
+    assert module is not None
+    args = ("owner", 1.0, None, Secret(b"k" * 32), str(tmp_path), node, 30.0)
+    try:
+        first = await actor.start.remote([module], ["gpu_llm"], "a-0", *args)
+        second = await actor.start.remote([module], ["gpu_llm"], "a-1", *args)
+        assert first["pid"] == second["pid"] and first["address"] != second["address"]
+        assert first["address"] == f"ipc://{tmp_path}/a-0.sock" and first["node"] == node
+        assert not (tmp_path / "a-0.sock").exists()  # the first worker left
+        assert (tmp_path / "a-1.sock").exists()
+    finally:
+        ray.kill(actor)
