@@ -7,6 +7,8 @@ GlobalParameters copied into outputs, timestamps, or marker files: with
 the test can reach. The graphs are module-level objects of scenario_graphs.py, which a worker
 imports by path.
 
+The placements are ``"inproc"``, ``"process"`` and ``of.Ray()`` (the "ray" parameter: every
+role a Ray actor; one local Ray instance for the module, skipped where ray is not installed).
 A placement that this build does not have yet is skipped, and only when the Runtime
 constructor says exactly that; every other error fails the test.
 """
