@@ -38,7 +38,7 @@ from omniflow.dsl import (
     interface,
 )
 from omniflow.plan import StaticPlan, parse_graphs
-from omniflow.runtime import Call, Deploy, Frame, Runtime
+from omniflow.runtime import Call, Deploy, Frame, Ray, Runtime
 
 __version__ = "0.1.0"
 
@@ -107,6 +107,7 @@ __all__ = [
     "Placeholder",
     "PoolExhaustedError",
     "PublishedPrefix",
+    "Ray",
     "RegistryError",
     "RequestError",
     "Role",

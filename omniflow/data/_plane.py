@@ -50,9 +50,22 @@ __all__ = [
     "ShmConnector",
     "ZmqConnector",
     "choose_connector",
+    "set_node_id",
 ]
 
+#: This process's node identity: refs it produces carry it, and a ref from another node is
+#: pulled (zmq) rather than mapped (shm). The host name, unless a cluster manager names nodes
+#: (``set_node_id``: a Ray actor takes its Ray node id, so simulated nodes on one machine
+#: behave like separate hosts).
 HOST = socket.gethostname()
+
+
+def set_node_id(node_id: str) -> None:
+    """Name the node this process runs on (call before its data plane produces refs)."""
+    global HOST
+    HOST = node_id
+
+
 #: Values of at least this many bytes go through the data plane (256 KiB).
 DEFAULT_THRESHOLD = 256 * 1024
 #: Default capacity of a process's pool (fixed; a value that does not fit rides inline).
@@ -119,6 +132,9 @@ class ShmConnector(Connector):
         self._pool: SharedBufferPool | None = None
         self._attached: dict[str, PoolAttachment] = {}
         self.source = source
+        #: Node identity of the refs put here (None: this process's ``HOST``); a front placed
+        #: by Ray names the Ray node it runs on, so same-node actors map its blocks.
+        self.host: str | None = None
 
     @property
     def pool(self) -> SharedBufferPool:
@@ -138,7 +154,7 @@ class ShmConnector(Connector):
             handle = pool.put_tensor(value, owner=request_id)
         else:
             handle = pool.put_array(value, owner=request_id)
-        return DataRef(handle, HOST, os.getpid(), self.source,
+        return DataRef(handle, self.host or HOST, os.getpid(), self.source,
                        (from_node, request_id, to_node, payload_key))  # fmt: skip
 
     def read(self, ref: DataRef, *, copy: bool) -> Any:

@@ -188,7 +188,7 @@ class Fleet:
         rid = f"{spec.name}-{slot}-{self.token}" + (f"-r{n}" if n >= self._initial else "")
         launch = LaunchSpec(
             rid, spec.name, tuple(spec.roles), tuple(spec.modules), n, self._tmp, self.token,
-            self.heartbeat_interval, self.registry_url, self.cluster_key,
+            self.heartbeat_interval, self.registry_url, self.cluster_key, slot,
         )  # fmt: skip
         handle = await self.launcher.start(launch)
         rep = Replica(rid, list(spec.roles), handle.address, handle, spec=spec, slot=slot)
@@ -237,10 +237,12 @@ class Fleet:
         return reps
 
     async def close(self) -> None:
-        """After ``stop_all``: leave the registry, remove the private directory."""
+        """After ``stop_all``: leave the registry, close the launcher, remove the private
+        directory."""
         if self.registry is not None:
             with contextlib.suppress(Exception):
                 await self.registry.close()
+        await self.launcher.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._tmp):
                 os.unlink(os.path.join(self._tmp, name))

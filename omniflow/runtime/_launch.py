@@ -9,7 +9,8 @@
 process group and then talks to it only over the authenticated wire, at ``handle.address``.
 A launcher owns nothing else: it starts a replica, says whether it still runs, waits for its
 end, and kills it. :class:`SubprocessLauncher` (``omniflow worker`` as a child process on this
-host) is the default; another launcher (a Ray actor, say) plugs in with the same interface.
+host) is the default; ``_ray.RayLauncher`` (``placement=of.Ray(...)``: a Ray actor per
+replica, in its placement-group bundle) plugs in with the same interface.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class LaunchSpec:
     registry_url: str | None
     #: The deployment's key; never on a command line.
     cluster_key: bytes
+    #: The slot of the group this replica fills (a restart fills the dead one's slot again:
+    #: a launcher that keeps per-slot state, such as a Ray actor, reuses it).
+    slot: int = 0
 
 
 class ReplicaHandle(ABC):
@@ -102,6 +106,11 @@ class Launcher(ABC):
         except TimeoutError:
             handle.kill()
             await handle.wait()
+
+    async def close(self) -> None:
+        """Release what the launcher itself holds, once every replica it started is stopped
+        (nothing for subprocesses; placement groups and actors for Ray)."""
+        return None
 
 
 class SubprocessHandle(ReplicaHandle):

@@ -4,8 +4,9 @@ which connector. Pure: no I/O, no event loop (tests/runtime/test_placement_plan.
 >>> [p.name for p in plan_processes("process", {"llm": "graphs.chat", "vit": "graphs.chat"})]
 ['llm', 'vit']
 
-``plan_processes`` turns ``placement=`` (``"inproc"``, ``"process"`` or a :class:`Deploy`) into
-:class:`ProcessSpec` groups; ``resolve_connectors`` checks a ``connectors=`` config against
+``plan_processes`` turns ``placement=`` (``"inproc"``, ``"process"``, a :class:`Deploy` or an
+``of.Ray``, whose own plan of bundles and layers is ``_ray_plan``) into :class:`ProcessSpec`
+groups; ``resolve_connectors`` checks a ``connectors=`` config against
 those groups. The I/O shell (``_remote.RemoteRoles``) starts one replica per slot of each group
 through a launcher (``_launch``).
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from omniflow._exceptions import GraphError, OmniflowError
 from omniflow.data._ref import CONNECTORS
+from omniflow.runtime._ray_plan import Ray
 
 __all__ = ["Deploy", "ProcessSpec", "plan_processes", "resolve_connectors"]
 
@@ -75,10 +77,13 @@ def plan_processes(placement: Any, role_modules: dict[str, str | None]) -> list[
         wanted = {r: {"process": r, "replicas": 1} for r in role_modules}
     elif isinstance(placement, Deploy):
         wanted = placement.roles
+    elif isinstance(placement, Ray):  # one group per role, its replicas Ray actors
+        ray_roles = placement.plan(role_modules).roles
+        wanted = {r: {"process": r, "replicas": ray_roles[r].replicas} for r in role_modules}
     else:
         raise OmniflowError(
-            f"placement={placement!r} is not understood; use 'inproc', 'process' or "
-            "omniflow.Deploy({...})"
+            f"placement={placement!r} is not understood; use 'inproc', 'process', "
+            "omniflow.Deploy({...}) or omniflow.Ray({...})"
         )
     groups: dict[str, ProcessSpec] = {}
     #: process name -> the role whose options gave the group its replica count.

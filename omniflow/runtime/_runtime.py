@@ -39,9 +39,11 @@ from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
 from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
+from omniflow.runtime._launch import Launcher
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._placement import plan_processes, resolve_connectors
+from omniflow.runtime._ray_plan import Ray
 from omniflow.runtime._remote import RemoteRoles
 from omniflow.transport._auth import WireStats, resolve_key
 
@@ -83,7 +85,8 @@ class Runtime:
 
     ``placement`` selects where roles run (CONTRACT §5): ``"inproc"`` (every role in this
     event loop), ``"process"`` (every role in a worker process of its own) or
-    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here).
+    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here) or
+    ``omniflow.Ray({...})`` (every role's replicas on Ray actors, CONTRACT §6).
     ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory);
     workers heartbeat every ``heartbeat_interval`` seconds from their event loop and count as
     lost (a spawned one is killed, then respawned with backoff) ``heartbeat_misses`` intervals
@@ -166,6 +169,7 @@ class Runtime:
                 heartbeat_interval=heartbeat_interval,
                 cluster_key=key,
                 heartbeat_misses=heartbeat_misses,
+                launcher=_launcher(placement, role_modules, self.plane),
             )
             if processes
             else None
@@ -890,6 +894,17 @@ class Runtime:
                 else:
                     del self._queues[call.session]
                     self._session_idle(call.session)
+
+
+def _launcher(
+    placement: Any, role_modules: dict[str, str | None], plane: DataPlane | None
+) -> Launcher | None:
+    """What starts the replicas (``_launch``): None (subprocesses) unless Ray places them."""
+    if not isinstance(placement, Ray):
+        return None
+    from omniflow.runtime._ray import RayLauncher
+
+    return RayLauncher(placement, placement.plan(role_modules), plane=plane)
 
 
 async def setup_role(name: str, setup: Any) -> None:

@@ -53,6 +53,8 @@ class TaskLauncher(Launcher):
 
     def __init__(self) -> None:
         self.started: list[LaunchSpec] = []
+        #: Times ``close`` was awaited (once, after every replica stopped).
+        self.closed = 0
 
     async def start(self, spec: LaunchSpec) -> TaskHandle:
         self.started.append(spec)
@@ -69,6 +71,9 @@ class TaskLauncher(Launcher):
         task = asyncio.get_running_loop().create_task(worker.run())
         await asyncio.sleep(0)  # bound before the front connects
         return TaskHandle(task, address)
+
+    async def close(self) -> None:
+        self.closed += 1
 
 
 async def test_replicas_started_by_another_launcher_serve_and_are_restarted() -> None:
@@ -95,7 +100,13 @@ async def test_replicas_started_by_another_launcher_serve_and_are_restarted() ->
         assert "ready --lost (its process exited with code -9)--> dead" in rep.life.story()
         assert (await rt.run("mp_scale", {"x": 5}))["y"] == [5]
         assert len(launcher.started) == 3
+        # The restart fills the dead replica's slot (a per-slot launcher, Ray's, reuses it).
+        restart = launcher.started[2]
+        assert (restart.group, restart.slot) == ("r", rep.slot) == ("r", 0)
+        assert restart.replica_id != rep.replica_id
+        assert launcher.closed == 0
     assert all(r.process is None or r.process.returncode is not None for r in [rep])
+    assert launcher.closed == 1
 
 
 def test_the_subprocess_launcher_is_the_default() -> None:

@@ -7,6 +7,8 @@ GlobalParameters copied into outputs, timestamps, or marker files: with
 the test can reach. The graphs are module-level objects of scenario_graphs.py, which a worker
 imports by path.
 
+The placements are ``"inproc"``, ``"process"`` and ``of.Ray()`` (the "ray" parameter: every
+role a Ray actor; one local Ray instance for the module, skipped where ray is not installed).
 A placement that this build does not have yet is skipped, and only when the Runtime
 constructor says exactly that; every other error fails the test.
 """
@@ -31,8 +33,10 @@ GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
 
 
-@pytest.fixture(params=["inproc", "process"])
+@pytest.fixture(params=["inproc", "process", "ray"])
 def placement(request: pytest.FixtureRequest) -> str:
+    if request.param == "ray":  # one Ray instance for the whole module
+        request.getfixturevalue("ray_local")
     return str(request.param)
 
 
@@ -41,7 +45,8 @@ def build(placement: str, *graphs: of.Graph, **kw: Any) -> of.Runtime:
     when (and only when) the build says it lacks that placement."""
     kw.setdefault("validate", True)
     try:
-        return of.Runtime(*graphs, placement=placement, **kw)
+        where = of.Ray() if placement == "ray" else placement
+        return of.Runtime(*graphs, placement=where, **kw)
     except of.OmniflowError as exc:
         missing = f"placement={placement!r} is not available in this build"
         if placement != "inproc" and str(exc).startswith(missing):
