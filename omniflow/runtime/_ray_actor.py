@@ -77,7 +77,7 @@ class ReplicaHost:
         import ray
 
         from omniflow.data import _plane
-        from omniflow.data.kv import _pool as kv_pool
+        from omniflow.data.kv import _shell as kv_shell
         from omniflow.runtime._worker import Worker
 
         old = self._thread
@@ -96,7 +96,7 @@ class ReplicaHost:
         # Node identity from Ray: refs from another Ray node are pulled over ZMQ, refs from
         # this one are mapped from shared memory (simulated nodes on one host included).
         _plane.set_node_id(node)
-        kv_pool.HOST = node
+        kv_shell.HOST = node  # the Params Pool's node records (data/kv/_shell.py)
         if node == front_node:
             address = f"ipc://{ipc_dir}/{replica_id}.sock"
         else:
