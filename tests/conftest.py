@@ -17,11 +17,14 @@ settings.load_profile("omniflow")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test parametrized to run across processes (``placement="process"``) is slow:
-    it spawns workers. (The other slow tests carry ``@pytest.mark.slow`` themselves.)"""
+    """Every test parametrized to run across processes (``placement`` "process" or "ray"), or
+    that starts Ray (the ``ray_local`` / ``cluster`` fixtures), is slow: it starts workers.
+    (The other slow tests carry ``@pytest.mark.slow`` themselves.)"""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("placement") == "process":
+        placement = callspec.params.get("placement") if callspec is not None else None
+        uses_ray = {"ray_local", "cluster"} & set(getattr(item, "fixturenames", ()))
+        if placement in ("process", "ray") or uses_ray:
             item.add_marker(pytest.mark.slow)
 
 

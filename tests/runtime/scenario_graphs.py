@@ -604,24 +604,26 @@ bad = of.Graph("sc_bad", roles={"bad_b": BadFrames()}, inputs=[of.Placeholder("x
 #: How long one sess_w activation sleeps (s): long enough that overlap (or its absence)
 #: is far above process hop latency.
 WORK_S = 0.15
-#: A directory for rendezvous (inherited by workers): an activation of job J creates ``DIR/J``
-#: when it starts, then waits (up to GATE_S) until every peer that ``DIR/meet.json`` lists for
-#: J has started. Two jobs that meet provably ran at once, however loaded the machine.
-MEET_ENV = "SC_SESS_MEET"
 
 
 class SessWork(of.Role):
-    """Reports ``[job, session history after it, session, start time, end time, met]``; ``met``
-    is None without a rendezvous, else whether every peer started while this one waited."""
+    """Reports ``[job, session history after it, session, start time, end time, met]``.
+
+    A job ``"NAME@DIR"`` meets its peers (the name is ``NAME``): it creates ``DIR/NAME`` when it
+    starts, then waits (up to GATE_S) until every peer that ``DIR/meet.json`` lists for it has
+    started; ``met`` says whether they all did (None for a plain job). Two jobs that meet
+    provably ran at once, however loaded the machine. (In the job, not the environment: Ray
+    actors do not inherit the test's environment.)"""
 
     @of.interface(inputs_or=[["job"]], outputs=["done"])
     async def run(self, job: str) -> dict[str, Any]:
+        job, _, meet = job.partition("@")
         ctx = of.context()
         t0 = time.time()
         hist = ctx.params["sess_history"]
         hist.append(job)
         met = None
-        if meet := os.environ.get(MEET_ENV):
+        if meet:
             (Path(meet) / job).touch()
             peers = json.loads((Path(meet) / "meet.json").read_text()).get(job, [])
             end = time.monotonic() + GATE_S

@@ -401,21 +401,19 @@ def _done(out: dict[str, list[Any]]) -> list[Any]:
     return list(done)
 
 
-def meet(monkeypatch: pytest.MonkeyPatch, tmp: Path, peers: dict[str, list[str]]) -> None:
-    """sc_sess activations of these jobs wait until their peers started (sg.MEET_ENV)."""
+def meet(tmp: Path, peers: dict[str, list[str]]) -> Callable[[str], str]:
+    """``job(name)``: the sc_sess job that meets the peers ``peers[name]`` lists (in ``tmp``)."""
     (tmp / "meet.json").write_text(json.dumps(peers))
-    monkeypatch.setenv(sg.MEET_ENV, str(tmp))
+    return lambda name: f"{name}@{tmp}" if name in peers else name
 
 
-async def test_per_session_fifo_and_cross_session_overlap(
-    runtime: Factory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    meet(monkeypatch, tmp_path, {"a1": ["b1"], "b1": ["a1"]})
+async def test_per_session_fifo_and_cross_session_overlap(runtime: Factory, tmp_path: Path) -> None:
+    job = meet(tmp_path, {"a1": ["b1"], "b1": ["a1"]})
     rt = await runtime(sg.sess)
     calls = [
-        rt.call("sc_sess", {"job": "a1"}, session="A"),
+        rt.call("sc_sess", {"job": job("a1")}, session="A"),
         rt.call("sc_sess", {"job": "a2"}, session="A"),
-        rt.call("sc_sess", {"job": "b1"}, session="B"),
+        rt.call("sc_sess", {"job": job("b1")}, session="B"),
         rt.call("sc_sess", {"job": "a3"}, session="A"),
     ]
     assert rt.stats()["active_calls"] == 4
@@ -437,15 +435,12 @@ async def test_per_session_fifo_and_cross_session_overlap(
     assert rt.stats() == ZERO
 
 
-async def test_session_less_calls_are_independent(
-    runtime: Factory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+async def test_session_less_calls_are_independent(runtime: Factory, tmp_path: Path) -> None:
     jobs = [f"j{i}" for i in range(3)]
-    meet(monkeypatch, tmp_path, {j: [k for k in jobs if k != j] for j in jobs})
+    job = meet(tmp_path, {j: [k for k in jobs if k != j] for j in jobs})
     rt = await runtime(sg.sess)
     outs = [
-        _done(o)
-        for o in await asyncio.gather(*(rt.run("sc_sess", {"job": f"j{i}"}) for i in range(3)))
+        _done(o) for o in await asyncio.gather(*(rt.run("sc_sess", {"job": job(j)}) for j in jobs))
     ]
     assert rt.stats() == ZERO
     assert [o[:3] for o in outs] == [[f"j{i}", [f"j{i}"], None] for i in range(3)]

@@ -245,6 +245,7 @@ def test_the_readme_deploy_file_plans_for_its_graph(tmp_path: Path) -> None:
     assert plan.roles["dit"].anchor == "llm" and plan.bundles["llm"][0]["GPU"] == 1
 
 
+@pytest.mark.slow
 def test_serve_with_placement_ray_end_to_end(tmp_path: Path) -> None:
     """``omniflow serve --placement ray --deploy``: it starts a Ray of its own (no Ray runs in
     that process), serves through actors, reports ready, and drains and exits 0 on SIGTERM."""
