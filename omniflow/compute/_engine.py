@@ -34,6 +34,7 @@ from omniflow.compute._request import GenerateRequest, StepOutput
 from omniflow.compute._runner import ModelRunner
 from omniflow.compute._sampling import make_generator
 from omniflow.compute._scheduler import Scheduler, StepPlan
+from omniflow.compute._segments import SegmentFeeds
 from omniflow.compute._sequence import SeqStatus, Sequence
 from omniflow.compute._session import SessionHistory
 from omniflow.compute._stream import Stream
@@ -151,6 +152,7 @@ class TorchEngine(Engine):
             self._kv = KvCache(self.kv_pool, model.cfg.num_layers, self.page_tokens)
             self._runner = ModelRunner(model, self._kv)
             self._sched = Scheduler(max_batch=self.max_batch, max_step_tokens=self.max_step_tokens)
+            self._segments = SegmentFeeds(self, model.cfg)
             self._task = loop.create_task(self._run(), name="omniflow-engine-loop")
             self._task.add_done_callback(self._loop_ended)
 
@@ -187,6 +189,42 @@ class TorchEngine(Engine):
         if self._task is None:
             raise EngineError("the engine is not started; await engine.start() first")
         stream = await self._admit(request)
+        async for out in self._deliver(stream):
+            yield out
+
+    # ---- segmented input (the paper's segmented emission, pipelined prefill) ---------------
+    async def open(self, request: GenerateRequest, *, idle_timeout: float = 60.0) -> str:
+        """Admit ``request`` with its input left open and return its request id.
+
+        What the request holds is prefilled at once (after matching the session's cached
+        prefix); ``feed`` appends further segments, each prefilled as soon as it arrives, and
+        the last one closes the input, after which tokens are sampled and read with
+        ``outputs``. An open request that is neither fed nor read for ``idle_timeout`` seconds
+        is aborted (its caller is gone), so a cancelled producer never pins pool pages.
+        """
+        if self._task is None:
+            raise EngineError("the engine is not started; await engine.start() first")
+        stream = await self._admit(request, input_open=True)
+        self._segments.watch(stream, idle_timeout)
+        return stream.seq.request_id
+
+    def feed(self, request_id: str, segment: Any, *, last: bool = False) -> int:
+        """Append one input segment to an open request; returns the sequence's length after it.
+
+        ``segment``: token ids, a ``(n, hidden_size)`` tensor of embedding rows, or a list of
+        those. ``last=True`` closes the input. The segment joins the sequence between steps.
+        """
+        return self._segments.feed(request_id, segment, last=last)
+
+    def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+        """The ``StepOutput``s of an opened request (leaving the iterator aborts it)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise RequestError(f"no open request {request_id!r}", field="request_id")
+        self._segments.reading(request_id)
+        return self._deliver(stream)
+
+    async def _deliver(self, stream: Stream) -> AsyncIterator[StepOutput]:
         try:
             while True:
                 out = await stream.next()
@@ -215,7 +253,7 @@ class TorchEngine(Engine):
         self._sched.remove(stream.seq)
         self._release.append(stream)
 
-    async def _admit(self, request: GenerateRequest) -> Stream:
+    async def _admit(self, request: GenerateRequest, *, input_open: bool = False) -> Stream:
         assert self.config is not None and self.kv_pool is not None
         tokens, embeds = build_inputs(request, self.config, self.tokenizer, self.history)
         params = request.sampling
@@ -229,6 +267,7 @@ class TorchEngine(Engine):
             stop_ids=stops,
             embeds=embeds,
         )
+        seq.input_open = input_open
         if request.request_id in self._streams:
             raise RequestError(
                 f"request id {request.request_id!r} is already running", field="request_id"
@@ -273,6 +312,7 @@ class TorchEngine(Engine):
         loop = asyncio.get_running_loop()
         while True:
             await self._drain_releases()
+            self._segments.apply()
             if not self._sched.has_work():
                 self._wake.clear()
                 await self._wake.wait()

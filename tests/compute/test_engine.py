@@ -308,3 +308,69 @@ async def test_start_is_idempotent_and_stop_fails_pending_requests(
         await task
     with pytest.raises(EngineError, match="stopped"):
         await engine.start()
+
+
+async def _computed(engine: Any, rid: str, at_least: int) -> int:
+    """Wait (step by step, no clock) until ``rid`` has ``at_least`` tokens of KV."""
+    seq = engine._streams[rid].seq
+    for _ in range(10_000):
+        if seq.num_computed >= at_least:
+            return int(seq.num_computed)
+        await asyncio.sleep(0)
+    raise AssertionError(f"{rid} computed {seq.num_computed} < {at_least} tokens")
+
+
+async def test_segmented_input_is_prefilled_as_it_arrives_and_equals_one_shot(
+    model_dirs: Callable[[str], Path], engine_factory: Any
+) -> None:
+    engine = await engine_factory(model_dirs("llama"), max_batch=4)
+    hidden = engine.config.hidden_size
+    rows = torch.randn(13, hidden, generator=torch.Generator().manual_seed(3))
+    head, tail = prompt(21), prompt(9, salt=2)
+    whole, _ = await run(engine, GenerateRequest(embeds=[head, rows, tail], sampling=greedy(24)))
+
+    rid = await engine.open(GenerateRequest(input_ids=head, sampling=greedy(24)))
+    # the open segment is prefilled at once, all but its last token, and nothing is sampled
+    assert await _computed(engine, rid, len(head) - 1) == len(head) - 1
+    assert engine.feed(rid, rows) == len(head) + 13
+    assert await _computed(engine, rid, len(head) + 12) == len(head) + 12
+    seq = engine._streams[rid].seq
+    assert seq.num_generated == 0 and seq.input_open
+    for _ in range(50):  # idle while open: no more tokens are computed
+        await asyncio.sleep(0)
+    assert seq.num_computed == len(head) + 12
+    assert engine.feed(rid, tail, last=True) == len(head) + 13 + len(tail)
+    outs = [out async for out in engine.outputs(rid)]
+    assert [o.token_id for o in outs] == whole
+    assert outs[-1].prompt_tokens == len(head) + 13 + len(tail)
+    with pytest.raises(RequestError, match="no open input"):
+        engine.feed(rid, [1, 2])
+
+
+async def test_segment_errors_and_an_abandoned_open_request_frees_its_pages(
+    model_dirs: Callable[[str], Path], engine_factory: Any
+) -> None:
+    engine = await engine_factory(model_dirs("llama"), max_batch=4)
+    pool = engine.kv_pool
+    rid = await engine.open(GenerateRequest(input_ids=prompt(40), sampling=greedy(4)))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.feed(rid, [10**6])
+    with pytest.raises(RequestError, match=r"expected \(n >= 1, "):
+        engine.feed(rid, torch.zeros(2, 3))
+    engine.feed(rid, [7, 8], last=True)
+    with pytest.raises(RequestError, match="already fed"):
+        engine.feed(rid, [9])
+    assert len([o async for o in engine.outputs(rid)]) == 4
+    with pytest.raises(RequestError, match="no open input"):
+        engine.feed("nope", [1])
+    # a producer that goes away: the open request is aborted and its pages are freed
+    gone = await engine.open(
+        GenerateRequest(input_ids=prompt(50), sampling=greedy(4)), idle_timeout=0.05
+    )
+    assert await _computed(engine, gone, 49) == 49
+    assert pool.holds(gone)
+    for _ in range(1000):
+        if not pool.holds(gone):
+            break
+        await asyncio.sleep(0.01)
+    assert not pool.holds(gone) and gone not in engine._streams
