@@ -189,8 +189,14 @@ class TorchEngine(Engine):
         if self._task is None:
             raise EngineError("the engine is not started; await engine.start() first")
         stream = await self._admit(request)
-        async for out in self._deliver(stream):
-            yield out
+        try:
+            while True:
+                out = await stream.next()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            await self._leave(stream)
 
     # ---- segmented input (the paper's segmented emission, pipelined prefill) ---------------
     async def open(self, request: GenerateRequest, *, idle_timeout: float = 60.0) -> str:
@@ -216,15 +222,12 @@ class TorchEngine(Engine):
         """
         return self._segments.feed(request_id, segment, last=last)
 
-    def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+    async def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
         """The ``StepOutput``s of an opened request (leaving the iterator aborts it)."""
         stream = self._streams.get(request_id)
         if stream is None:
             raise RequestError(f"no open request {request_id!r}", field="request_id")
         self._segments.reading(request_id)
-        return self._deliver(stream)
-
-    async def _deliver(self, stream: Stream) -> AsyncIterator[StepOutput]:
         try:
             while True:
                 out = await stream.next()
@@ -232,11 +235,14 @@ class TorchEngine(Engine):
                 if out.finished:
                     return
         finally:
-            if not stream.closed:
-                self._cancel(stream)
-                self._wake.set()
-            # Leaving the iterator returns only once the request's slots are back in the pool.
-            await stream.released.wait()
+            await self._leave(stream)
+
+    async def _leave(self, stream: Stream) -> None:
+        if not stream.closed:
+            self._cancel(stream)
+            self._wake.set()
+        # Leaving the iterator returns only once the request's slots are back in the pool.
+        await stream.released.wait()
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -309,20 +315,31 @@ class TorchEngine(Engine):
 
     # ---- the step loop ---------------------------------------------------------------------
     async def _run(self) -> None:
+        """One step at a time. The tokens a step sampled are delivered (detokenized, stop
+        strings checked, queued to their callers) while the next step's forward pass runs, so
+        delivery is off the step-to-step critical path; ids and lengths that end a sequence are
+        checked first, so a finished sequence is never scheduled again."""
         loop = asyncio.get_running_loop()
+        sampled: list[tuple[Sequence, int, str | None]] = []  #: not yet delivered
         while True:
             await self._drain_releases()
             self._segments.apply()
             if not self._sched.has_work():
+                if sampled:  # deliver, then drain the releases that finished before sleeping
+                    self._deliver_tokens(sampled)
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             plan = await self._allocate(self._sched.schedule())
             if not plan.items:
+                self._deliver_tokens(sampled)
                 continue
             self._inflight = {s.request_id for s, _ in plan.items}
+            step = loop.run_in_executor(self._executor, self._runner.step, plan)
+            self._deliver_tokens(sampled)
             try:
-                tokens = await loop.run_in_executor(self._executor, self._runner.step, plan)
+                tokens = await step
             except Exception as exc:  # a model error fails the step's requests, not the engine
                 for seq, _ in plan.items:
                     self._fail(seq, EngineError(f"forward pass failed: {exc!r}"))
@@ -331,17 +348,26 @@ class TorchEngine(Engine):
                 self._inflight = set()
             for (seq, n), token in zip(plan.items, tokens, strict=True):
                 if seq.status is SeqStatus.FINISHED:
-                    continue  # aborted while the step ran
+                    continue  # aborted (or stopped by a stop string) while the step ran
                 seq.num_computed += n
                 if token is not None:
-                    self._on_token(seq, token)
+                    reason = seq.append(token)
+                    if reason is not None:
+                        self._sched.remove(seq)
+                    sampled.append((seq, token, reason))
 
-    def _on_token(self, seq: Sequence, token: int) -> None:
-        stream = self._streams[seq.request_id]
-        reason = seq.append(token)
+    def _deliver_tokens(self, sampled: list[tuple[Sequence, int, str | None]]) -> None:
+        for seq, token, reason in sampled:
+            self._on_token(seq, token, reason)
+        sampled.clear()
+
+    def _on_token(self, seq: Sequence, token: int, reason: str | None) -> None:
+        stream = self._streams.get(seq.request_id)
+        if stream is None or stream.closed:
+            return  # aborted since the token was sampled
         out = stream.on_token(token, reason)
         if out.finished:
-            self._sched.remove(seq)
+            self._sched.remove(seq)  # a stop string: its next step's token is dropped
             seq.finish_reason = out.finish_reason
             stream.closed = True
             stream.final = out
