@@ -133,7 +133,6 @@ class HttpContenders:
         )  # fmt: skip
         self.url = self._line(self.server, r"http://\S+")
         self._line(self.worker, r"ready")
-        self.conns: list[_Http] = []
 
     @staticmethod
     def _line(proc: subprocess.Popen[bytes], pattern: str) -> str:
@@ -146,15 +145,20 @@ class HttpContenders:
         return m.group(0)
 
     async def http(self, k: int, n: int, plen: int) -> float:
+        """``k`` concurrent streamed calls, each on a fresh connection (the server closes
+        keep-alive connections idle for 5 s, as long as the other contender's turn)."""
         m = re.match(r"http://([^:/]+):(\d+)", self.url)
         assert m is not None
-        while len(self.conns) < k:
-            self.conns.append(_Http(*await asyncio.open_connection(m[1], int(m[2]))))
-        t = time.perf_counter()
-        counts = await asyncio.gather(
-            *(c.stream_tokens(p, n) for c, p in zip(self.conns, prompts(k, plen), strict=False))
-        )
-        dt = time.perf_counter() - t
+        conns = [_Http(*await asyncio.open_connection(m[1], int(m[2]))) for _ in range(k)]
+        try:
+            t = time.perf_counter()
+            counts = await asyncio.gather(
+                *(c.stream_tokens(p, n) for c, p in zip(conns, prompts(k, plen), strict=True))
+            )
+            dt = time.perf_counter() - t
+        finally:
+            for c in conns:
+                c.writer.close()
         assert sum(counts) == k * n, counts
         return sum(counts) / dt
 
@@ -166,8 +170,6 @@ class HttpContenders:
         return float(line)
 
     async def close(self) -> None:
-        for c in self.conns:
-            c.writer.close()
         for proc in (self.server, self.worker):
             if proc is self.worker and proc.stdin is not None:
                 proc.stdin.close()
