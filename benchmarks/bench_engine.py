@@ -193,6 +193,26 @@ async def interleaved(
     return xs, ys
 
 
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_cpu(
+    run: Callable[[], Awaitable[float]], pid: int, tokens: int, cpu: list[float]
+) -> Callable[[], Awaitable[float]]:
+    """``run`` that also appends the process's CPU ms per token to ``cpu``."""
+
+    async def measured() -> float:
+        c0 = proc_cpu(pid)
+        rate = await run()
+        cpu.append(1000 * (proc_cpu(pid) - c0) / tokens)
+        return rate
+
+    return measured
+
+
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(min(values))}..{fmt.format(max(values))}"
 
@@ -266,16 +286,20 @@ async def main() -> None:
         # 4a: in process, ABBA
         async with of.Runtime(bench_graph(engine)) as rt:
             await role_concurrent(rt, 2, 4, plen)  # warm-up
+            me, toks, c_role, c_dir = os.getpid(), k * n_decode, [], []
             role, dir_ = await interleaved(
                 rounds,
-                lambda: role_concurrent(rt, k, n_decode, plen),
-                lambda: engine_concurrent(engine, k, n_decode, plen),
+                with_cpu(lambda: role_concurrent(rt, k, n_decode, plen), me, toks, c_role),
+                with_cpu(lambda: engine_concurrent(engine, k, n_decode, plen), me, toks, c_dir),
             )
         over = [100 * (1 - a / b) for a, b in zip(role, dir_, strict=True)]
+        c_over = [100 * (a / b - 1) for a, b in zip(c_role, c_dir, strict=True)]
         print(
             f"4a. as a role, in-process Runtime: {statistics.median(role):.0f} tok/s vs direct "
             f"{statistics.median(dir_):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
-            f"[{spread(over, '{:+.1f}')}] (goal <= 5%)",
+            f"[{spread(over, '{:+.1f}')}] (goal <= 5%); CPU per token "
+            f"{statistics.median(c_role):.3f} vs {statistics.median(c_dir):.3f} ms -> "
+            f"{statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]",
             flush=True,
         )
 
@@ -311,19 +335,25 @@ async def main() -> None:
             procs = HttpContenders(path, args.threads)
             try:
                 await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
+                toks, c_http, c_dirp = k * n_decode, [], []
                 http, dir_p = await interleaved(
                     rounds,
-                    lambda: procs.http(k, n_decode, plen),
-                    lambda: procs.direct(k, n_decode, plen),
+                    with_cpu(lambda: procs.http(k, n_decode, plen), procs.server.pid, toks, c_http),
+                    with_cpu(
+                        lambda: procs.direct(k, n_decode, plen), procs.worker.pid, toks, c_dirp
+                    ),
                 )
             finally:
                 await procs.close()
             over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
+            c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
             print(
                 f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
                 f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
                 f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
-                f"[{spread(over, '{:+.1f}')}] (goal <= 5%)"
+                f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
+                f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
+                f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]"
             )
         print(f"load average after: {os.getloadavg()[0]:.1f}")
 
