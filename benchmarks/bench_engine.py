@@ -1,27 +1,40 @@
 """TorchEngine against transformers' generate, on one random-init Llama, same process, same threads.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py            # ~2 min on 2 cores
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~40 s
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py            # ~4 min on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~1.5 min
+    #   --hidden N --layers N --threads N --rounds N --no-http
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
   2. aggregate tokens/s, 16 concurrent requests vs one                        (goal >= 4x)
   3. time to first token of turn 2 with a 2,048-token history,
      prefix hit (same session) vs no reuse (a fresh session)                  (goal >= 5x)
-  4. the engine as an omniflow role (in-process Runtime, 16 concurrent calls streaming token
-     frames) vs calling it directly: aggregate tokens/s                    (goal <= 5% slower)
-Each round runs every contender once, so machine load hits them alike; ratios are the median of
-the per-round ratios.
+  4. the engine as an omniflow role vs calling it directly, 16 concurrent requests streaming
+     a frame per token, aggregate tokens/s                                  (goal <= 5% slower)
+     a. in-process: rt.call on an of.Runtime in this process vs engine.generate here;
+     b. over HTTP: an `omniflow serve benchmarks/engine_role.py` process streaming NDJSON to a
+        minimal asyncio HTTP client here, vs a process of its own calling the same engine
+        directly (benchmarks/engine_role.py --direct); both processes are up for the whole
+        measure, one works while the other waits.
+Every round runs every contender once, in alternating order (ABBA), so machine load hits them
+alike; ratios are the median of the per-round ratios, with their spread (min..max).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import re
+import select
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +42,12 @@ import torch
 
 import omniflow as of
 from omniflow.compute._tiny import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_role import direct as engine_concurrent
+from engine_role import prompts
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def hf_decode(model: Any, ids: list[int], n: int) -> float:
@@ -61,51 +80,141 @@ async def engine_decode(engine: of.TorchEngine, ids: list[int], n: int) -> float
     return n / dt
 
 
-async def engine_concurrent(engine: of.TorchEngine, k: int, n: int, plen: int) -> float:
-    prompts = [[5 + (i * 7 + j) % 300 for j in range(plen)] for i in range(k)]
-    t = time.perf_counter()
-    counts = await asyncio.gather(*(_count(engine, p, n) for p in prompts))
-    dt = time.perf_counter() - t
-    return sum(counts) / dt
-
-
-async def _count(engine: of.TorchEngine, ids: list[int], n: int) -> int:
-    req = of.GenerateRequest(
-        input_ids=ids, sampling=of.SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
-    )
-    return sum([1 async for _ in engine.generate(req)])
-
-
-def _role_graph(engine: of.TorchEngine) -> of.Graph:
-    class Llm(of.Role):
-        @of.interface(inputs_or=[["ids"]], outputs=["token"])
-        async def generate(self, ids: list[int]) -> Any:
-            req = of.GenerateRequest(
-                input_ids=ids,
-                sampling=of.SamplingParams(max_new_tokens=N_ROLE, temperature=0, ignore_eos=True),
-            )
-            async for out in engine.generate(req):
-                yield {"token": out.token_id}
-
-    return of.Graph("llm", roles={"llm": Llm()}, inputs=[of.Placeholder("ids")], outputs=["token"])
-
-
-N_ROLE = 128
-
-
 async def role_concurrent(rt: of.Runtime, k: int, n: int, plen: int) -> float:
-    global N_ROLE
-    N_ROLE = n
-    prompts = [[5 + (i * 7 + j) % 300 for j in range(plen)] for i in range(k)]
-
     async def one(ids: list[int]) -> int:
-        return sum([1 async for _ in rt.call("llm", {"ids": ids})])
+        return sum([1 async for _ in rt.call("llm", {"ids": ids, "n": n})])
 
     t = time.perf_counter()
-    counts = await asyncio.gather(*(one(p) for p in prompts))
+    counts = await asyncio.gather(*(one(p) for p in prompts(k, plen)))
     dt = time.perf_counter() - t
     assert sum(counts) == k * n, counts
     return sum(counts) / dt
+
+
+class _Http:
+    """A minimal keep-alive HTTP/1.1 client (costs the load generator little)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def stream_tokens(self, ids: list[int], n: int) -> int:
+        body = json.dumps({"inputs": {"ids": ids, "n": n}, "stream": True}).encode()
+        head = (
+            "POST /v1/graphs/llm/call HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        assert raw.split(b" ", 2)[1] == b"200", raw
+        tokens, buf = 0, b""
+        while True:  # chunked NDJSON: one line per frame, then the done line
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            buf += (await self.reader.readexactly(size + 2))[:-2]
+            *lines, buf = buf.split(b"\n")
+            tokens += sum(1 for line in lines if line.startswith(b'{"field":"token"'))
+            if size == 0:
+                return tokens
+
+
+class HttpContenders:
+    """`omniflow serve` with the engine role, and the direct worker, both on the same model."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        env = {**os.environ, "OMNIFLOW_BENCH_MODEL": str(model)}
+        env |= {"OMNIFLOW_BENCH_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        role_file = str(Path(__file__).parent / "engine_role.py")
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "omniflow", "serve", role_file, "--port", "0"],
+            stdout=subprocess.PIPE, cwd=ROOT, env=env,
+        )  # fmt: skip
+        self.worker = subprocess.Popen(
+            [sys.executable, role_file, "--direct"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
+        )  # fmt: skip
+        self.url = self._line(self.server, r"http://\S+")
+        self._line(self.worker, r"ready")
+
+    @staticmethod
+    def _line(proc: subprocess.Popen[bytes], pattern: str) -> str:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline().decode() if ready else ""
+        m = re.search(pattern, line)
+        if m is None:
+            raise SystemExit(f"{proc.args} did not start: {line!r}")
+        return m.group(0)
+
+    async def http(self, k: int, n: int, plen: int) -> float:
+        """``k`` concurrent streamed calls, each on a fresh connection (the server closes
+        keep-alive connections idle for 5 s, as long as the other contender's turn)."""
+        m = re.match(r"http://([^:/]+):(\d+)", self.url)
+        assert m is not None
+        conns = [_Http(*await asyncio.open_connection(m[1], int(m[2]))) for _ in range(k)]
+        try:
+            t = time.perf_counter()
+            counts = await asyncio.gather(
+                *(c.stream_tokens(p, n) for c, p in zip(conns, prompts(k, plen), strict=True))
+            )
+            dt = time.perf_counter() - t
+        finally:
+            for c in conns:
+                c.writer.close()
+        assert sum(counts) == k * n, counts
+        return sum(counts) / dt
+
+    async def direct(self, k: int, n: int, plen: int) -> float:
+        assert self.worker.stdin is not None and self.worker.stdout is not None
+        self.worker.stdin.write(f"{k} {n} {plen}\n".encode())
+        self.worker.stdin.flush()
+        line = await asyncio.get_running_loop().run_in_executor(None, self.worker.stdout.readline)
+        return float(line)
+
+    async def close(self) -> None:
+        for proc in (self.server, self.worker):
+            if proc is self.worker and proc.stdin is not None:
+                proc.stdin.close()
+            else:
+                proc.terminate()
+            proc.wait(30)
+
+
+async def interleaved(
+    rounds: int, a: Callable[[], Awaitable[float]], b: Callable[[], Awaitable[float]]
+) -> tuple[list[float], list[float]]:
+    """``rounds`` runs of each, ABBA order (so a drift in load hits both alike)."""
+    xs, ys = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            xs.append(await a())
+            ys.append(await b())
+        else:
+            ys.append(await b())
+            xs.append(await a())
+    return xs, ys
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_cpu(
+    run: Callable[[], Awaitable[float]], pid: int, tokens: int, cpu: list[float]
+) -> Callable[[], Awaitable[float]]:
+    """``run`` that also appends the process's CPU ms per token to ``cpu``."""
+
+    async def measured() -> float:
+        c0 = proc_cpu(pid)
+        rate = await run()
+        cpu.append(1000 * (proc_cpu(pid) - c0) / tokens)
+        return rate
+
+    return measured
+
+
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(min(values))}..{fmt.format(max(values))}"
 
 
 async def ttft(engine: of.TorchEngine, ids: list[int], session: str) -> tuple[float, int]:
@@ -126,12 +235,13 @@ async def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--no-http", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n_decode = 64 if args.quick else 128
-    rounds = 3 if args.quick else args.rounds
-    history = 2048
+    rounds = 4 if args.quick else args.rounds
+    k, plen, history = 16, 32, 2048
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         path = make_tiny_model(
@@ -145,40 +255,55 @@ async def main() -> None:
         prompt = [5 + i % 300 for i in range(32)]
         await engine_decode(engine, prompt, 8)  # warm-up both
         hf_decode(ref, prompt, 8)
-
-        ours, theirs, agg, role = [], [], [], []
-        runtime = of.Runtime(_role_graph(engine))
-        await runtime.__aenter__()
-        await role_concurrent(runtime, 2, 4, 32)  # warm-up
-        for _ in range(rounds):
-            ours.append(await engine_decode(engine, prompt, n_decode))
-            theirs.append(hf_decode(ref, prompt, n_decode))
-            agg.append(await engine_concurrent(engine, 16, n_decode, 32))
-            role.append(await role_concurrent(runtime, 16, n_decode, 32))
-        await runtime.__aexit__(None, None, None)
-        one = statistics.median(ours)
-        r1 = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
-        r2 = statistics.median(a / b for a, b in zip(agg, ours, strict=True))
-        r4 = statistics.median(1 - a / b for a, b in zip(role, agg, strict=True))
         print(
             f"model: llama hidden={args.hidden} layers={args.layers} heads=8/4 float32, "
             f"torch threads={torch.get_num_threads()}, device={engine._runner.model.device}, "
-            f"rounds={rounds}"
-        )
-        print(
-            f"1. decode, one request, {n_decode} tokens: TorchEngine {one:.0f} tok/s, "
-            f"transformers {statistics.median(theirs):.0f} tok/s -> {r1:.2f}x (goal >= 1.0x)"
-        )
-        print(
-            f"2. aggregate, 16 concurrent x {n_decode} tokens: {statistics.median(agg):.0f} tok/s"
-            f" vs one request {one:.0f} tok/s -> {r2:.2f}x (goal >= 4x)"
-        )
-        print(
-            f"4. as an omniflow role (in-process Runtime, 16 concurrent calls): "
-            f"{statistics.median(role):.0f} tok/s vs direct {statistics.median(agg):.0f} tok/s "
-            f"-> {r4 * 100:+.1f}% slower (goal <= 5%)"
+            f"rounds={rounds}, {k} concurrent x {n_decode} new tokens (prompts of {plen})",
+            flush=True,
         )
 
+        # 1 and 2: each round runs one request on both engines, then 16 concurrent
+        ours, theirs, agg = [], [], []
+        for _ in range(rounds):
+            ours.append(await engine_decode(engine, prompt, n_decode))
+            theirs.append(hf_decode(ref, prompt, n_decode))
+            agg.append(await engine_concurrent(engine, k, n_decode, plen))
+        one = statistics.median(ours)
+        r1 = [a / b for a, b in zip(ours, theirs, strict=True)]
+        r2 = [a / b for a, b in zip(agg, ours, strict=True)]
+        print(
+            f"1. decode, one request, {n_decode} tokens: TorchEngine {one:.0f} tok/s, "
+            f"transformers {statistics.median(theirs):.0f} tok/s -> "
+            f"{statistics.median(r1):.2f}x [{spread(r1)}] (goal >= 1.0x)"
+        )
+        print(
+            f"2. aggregate, {k} concurrent x {n_decode} tokens: {statistics.median(agg):.0f} "
+            f"tok/s vs one request {one:.0f} tok/s -> {statistics.median(r2):.2f}x "
+            f"[{spread(r2)}] (goal >= 4x)",
+            flush=True,
+        )
+
+        # 4a: in process, ABBA
+        async with of.Runtime(bench_graph(engine)) as rt:
+            await role_concurrent(rt, 2, 4, plen)  # warm-up
+            me, toks, c_role, c_dir = os.getpid(), k * n_decode, [], []
+            role, dir_ = await interleaved(
+                rounds,
+                with_cpu(lambda: role_concurrent(rt, k, n_decode, plen), me, toks, c_role),
+                with_cpu(lambda: engine_concurrent(engine, k, n_decode, plen), me, toks, c_dir),
+            )
+        over = [100 * (1 - a / b) for a, b in zip(role, dir_, strict=True)]
+        c_over = [100 * (a / b - 1) for a, b in zip(c_role, c_dir, strict=True)]
+        print(
+            f"4a. as a role, in-process Runtime: {statistics.median(role):.0f} tok/s vs direct "
+            f"{statistics.median(dir_):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
+            f"[{spread(over, '{:+.1f}')}] (goal <= 5%); CPU per token "
+            f"{statistics.median(c_role):.3f} vs {statistics.median(c_dir):.3f} ms -> "
+            f"{statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]",
+            flush=True,
+        )
+
+        # 3: TTFT of turn 2
         hit, miss = [], []
         for r in range(rounds):
             turn1 = [5 + (i * 13 + r) % 300 for i in range(history)]
@@ -196,11 +321,51 @@ async def main() -> None:
             hit.append(t_hit)
             miss.append(t_miss)
         h, m = statistics.median(hit), statistics.median(miss)
+        r3 = [b / a for a, b in zip(hit, miss, strict=True)]
         print(
             f"3. TTFT of turn 2 ({len(turn2)} tokens, {history}-token history): prefix hit "
-            f"{h * 1000:.1f} ms vs no reuse {m * 1000:.1f} ms -> {m / h:.1f}x (goal >= 5x)"
+            f"{h * 1000:.1f} ms vs no reuse {m * 1000:.1f} ms -> {statistics.median(r3):.1f}x "
+            f"[{spread(r3, '{:.1f}')}] (goal >= 5x)",
+            flush=True,
         )
         await engine.stop()
+
+        # 4b: over HTTP, two processes of their own, ABBA
+        if not args.no_http:
+            procs = HttpContenders(path, args.threads)
+            try:
+                await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
+                toks, c_http, c_dirp = k * n_decode, [], []
+                http, dir_p = await interleaved(
+                    rounds,
+                    with_cpu(lambda: procs.http(k, n_decode, plen), procs.server.pid, toks, c_http),
+                    with_cpu(
+                        lambda: procs.direct(k, n_decode, plen), procs.worker.pid, toks, c_dirp
+                    ),
+                )
+            finally:
+                await procs.close()
+            over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
+            c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
+            print(
+                f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
+                f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
+                f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
+                f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
+                f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
+                f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]"
+            )
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+def bench_graph(engine: of.TorchEngine) -> of.Graph:
+    """engine_role.py's graph on this process's engine (no second model load)."""
+    from engine_role import Llm
+
+    return of.Graph(
+        "llm", roles={"llm": Llm(engine)}, inputs=[of.Placeholder("ids"), of.Placeholder("n")],
+        outputs=["token"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

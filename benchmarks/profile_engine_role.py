@@ -32,7 +32,7 @@ async def main() -> None:
         path = make_tiny_model(Path(tmp) / "m", hidden_size=256, layers=4, heads=8, kv_heads=4)
         engine = of.TorchEngine(path, max_batch=16, max_step_tokens=2112, pool_pages=2048)
         await engine.start()
-        async with of.Runtime(b._role_graph(engine)) as rt:
+        async with of.Runtime(b.bench_graph(engine)) as rt:
             await b.role_concurrent(rt, 2, 4, 32)  # warm-up
             prof = cProfile.Profile()
             prof.enable()

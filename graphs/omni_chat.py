@@ -1,10 +1,16 @@
-"""Omni chat: text (+ an optional image) in, a real LLM streaming text, speech out per sentence.
+"""Omni chat: text (+ images) in, a real LLM streaming text, speech out per sentence.
 
-    vision.encode  messages -> prompt (the conversation) + image_embeds (one segment per image,
-                   through an EncoderCache: the same image coming back skips the encoder)
-    llm.generate   prompt + image_embeds -> text (token deltas, OpenAI-style) + sentence
-                   (TorchEngine: continuous batching, KV cache in a ParamsPool, the session's
-                   prefix reused across turns)
+    vision.encode  messages -> segment frames (segmented emission, paper §5.1): the prompt as an
+                   ordered list of segments, images first (LLaVA-style), each image through a
+                   ViT-style patch encoder behind an EncoderCache (the same image coming back
+                   skips the encoder), the conversation last. Each freshly encoded image is its
+                   own frame, yielded before the next image is encoded; what needs no encoder
+                   work (cached images, the text) rides in one frame with its neighbours.
+    llm.generate   segment -> text (token deltas, OpenAI-style) + sentence + usage. One
+                   activation per segment frame (lb="session": in order): the first opens a
+                   TorchEngine request (its cached prefix is matched in the ParamsPool), every
+                   frame is fed to it and prefilled at once, so segment k is prefilled while the
+                   encoder works on segment k+1; the last frame closes the input and streams.
     tts.speak      sentence -> audio (a WAV file per sentence, written by espeak-ng)
 
 The model directory comes from ``$OMNIFLOW_MODEL`` (any Llama/Qwen2/Mistral instruct checkpoint
@@ -12,25 +18,31 @@ in Hugging Face format: config.json, *.safetensors, tokenizer.json with a chat t
 it a tiny random-init Llama with a locally trained tokenizer is created on first use under
 ``$OMNIFLOW_CACHE`` (default ~/.cache/omniflow): **its words are noise** until a real checkpoint
 is pointed to; the plumbing (template, streaming, prefix reuse, TTS) is real either way. The
-vision encoder here is a fixed random projection of image bytes to the LLM's hidden size, a
-stand-in with the real interface (raw payload -> hidden-state rows) for a ViT.
+vision encoder comes from ``$OMNIFLOW_VISION_MODEL`` (``config.json`` with ``"model_type":
+"omniflow_vit"`` and ``model.safetensors``; its ``projection_dim`` must equal the LLM's hidden
+size); without it a random-init one (32x32 images, 8x8 patches: 16 rows per image) is created
+next to the tiny LLM. Random weights make the rows depend on the image's pixels, but they carry
+no meaning a real LLM was trained on; point both variables to a matched pair for that.
 
     OMNIFLOW_MODEL=/models/Qwen2-0.5B-Instruct omniflow serve graphs/omni_chat.py
     omniflow run graphs/omni_chat.py --input 'messages=[{"role": "user", "content": "Hi!"}]' \
         -i max_tokens=16 -i temperature=null -i top_p=null -i seed=null -i stop=null
 
-The OpenAI endpoint (Placeholder ``messages``, output ``text``) fills the Placeholders
-``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` from the same-named request
-fields (None when the request leaves them out: the role's defaults then apply, greedy decoding
-and 64 new tokens), and turns the final ``usage`` frame ({prompt_tokens, completion_tokens,
-cached_tokens, finish_reason}) into the response's ``usage``. Called directly, every
-Placeholder is an input: pass None for the ones you do not set (``SAMPLING_DEFAULTS``).
+Images are OpenAI ``image_url`` parts holding ``data:`` URLs (base64 PNG/JPEG/...); remote
+URLs are refused (the server fetches nothing on a client's behalf). The OpenAI endpoint
+(Placeholder ``messages``, output ``text``) fills the Placeholders ``max_tokens``,
+``temperature``, ``top_p``, ``seed`` and ``stop`` from the same-named request fields (None when
+the request leaves them out: the role's defaults then apply, greedy decoding and 64 new tokens),
+and turns the final ``usage`` frame ({prompt_tokens, completion_tokens, cached_tokens,
+finish_reason}) into the response's ``usage``. Called directly, every Placeholder is an input:
+pass None for the ones you do not set (``SAMPLING_DEFAULTS``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import os
 import re
 import shutil
@@ -43,12 +55,16 @@ import omniflow as of
 
 #: Sentence ends: the TTS speaks each sentence as soon as it is complete.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
-#: Bytes of image per embedding row of the stand-in encoder, and rows per image at most.
-_PATCH, _MAX_ROWS = 48, 32
 #: The sampling Placeholders (OpenAI request fields) and their "not set" value.
 SAMPLING_DEFAULTS: dict[str, Any] = dict.fromkeys(
     ("max_tokens", "temperature", "top_p", "seed", "stop")
 )
+
+
+def _cache_dir() -> Path:
+    cache = Path(os.environ.get("OMNIFLOW_CACHE", Path.home() / ".cache" / "omniflow"))
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 def model_dir() -> Path:
@@ -56,13 +72,30 @@ def model_dir() -> Path:
     given = os.environ.get("OMNIFLOW_MODEL")  # empty counts as unset
     if given:
         return Path(given)
-    cache = Path(os.environ.get("OMNIFLOW_CACHE", Path.home() / ".cache" / "omniflow"))
+    cache = _cache_dir()
     path = cache / "tiny-llama"
     if not (path / "config.json").exists():
         from omniflow.compute._tiny import make_tiny_model
 
-        tmp = Path(tempfile.mkdtemp(dir=cache.mkdir(parents=True, exist_ok=True) or cache))
+        tmp = Path(tempfile.mkdtemp(dir=cache))
         make_tiny_model(tmp, arch="llama", hidden_size=64, layers=2)
+        if not (path / "config.json").exists():
+            tmp.rename(path)
+    return path
+
+
+def vision_dir(hidden_size: int) -> Path:
+    """``$OMNIFLOW_VISION_MODEL``, or a random-init ViT projecting to ``hidden_size`` (once)."""
+    given = os.environ.get("OMNIFLOW_VISION_MODEL")
+    if given:
+        return Path(given)
+    cache = _cache_dir()
+    path = cache / f"tiny-vit-{hidden_size}"
+    if not (path / "config.json").exists():
+        from omniflow.compute._vision import make_tiny_vision
+
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        make_tiny_vision(tmp, projection_dim=hidden_size)
         if not (path / "config.json").exists():
             tmp.rename(path)
     return path
@@ -84,53 +117,79 @@ def _content_parts(content: Any) -> tuple[str, list[str]]:
     return " ".join(text), images
 
 
+def image_bytes(payload: str) -> bytes:
+    """The file bytes of a ``data:`` URL (or bare base64); remote URLs are refused."""
+    if payload.startswith(("http://", "https://", "file:", "ftp://")):
+        raise ValueError(
+            "image_url: only data: URLs (base64 image bytes) are accepted; this server does "
+            f"not fetch {payload.split(':', 1)[0]} URLs"
+        )
+    raw = payload.split(",", 1)[1] if payload.startswith("data:") else payload
+    try:
+        return base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"image_url: not valid base64 data ({exc})") from exc
+
+
 class VisionEncoder(of.Role):
-    """Image payloads (data: URLs or any string) -> hidden-state rows, cached by payload hash."""
+    """The prefix-matching role: messages -> segment frames, images through a cached ViT."""
 
     def __init__(self, cache_size: int = 64) -> None:
         self.cache = of.EncoderCache(cache_size)
         self.calls = 0  #: encoder forward passes actually run (cache misses)
 
     async def setup(self) -> None:
-        import torch
-
         from omniflow.compute._config import ModelConfig
+        from omniflow.compute._vision import VisionEncoder as Vit
 
         hidden = ModelConfig.from_dir(model_dir()).hidden_size
-        gen = torch.Generator().manual_seed(0)
-        self.proj = torch.randn(_PATCH, hidden, generator=gen) / _PATCH**0.5
+        self.vit = Vit.from_dir(vision_dir(hidden))
+        if self.vit.cfg.projection_dim != hidden:
+            raise ValueError(
+                f"vision: the encoder projects to {self.vit.cfg.projection_dim} but the LLM's "
+                f"hidden_size is {hidden}; point OMNIFLOW_VISION_MODEL to a matching encoder"
+            )
 
-    def _encode(self, payload: str) -> Any:
-        import torch
-
+    async def _encode(self, payload: str) -> Any:
+        """One encoder forward pass, off the event loop."""
+        data = image_bytes(payload)
         self.calls += 1
-        raw = payload.split(",", 1)[1] if payload.startswith("data:") else payload
-        try:
-            data = base64.b64decode(raw, validate=True)
-        except ValueError:
-            data = raw.encode()
-        data = data[: _PATCH * _MAX_ROWS].ljust(_PATCH * ((len(data) - 1) // _PATCH + 1), b"\0")
-        patches = torch.frombuffer(bytearray(data), dtype=torch.uint8).float().view(-1, _PATCH)
-        return (patches / 255.0 - 0.5) @ self.proj
+        return await asyncio.to_thread(self.vit.encode, data)
 
-    @of.interface(inputs_or=[["messages"]], outputs=["prompt", "image_embeds"])
-    async def encode(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    @of.interface(inputs_or=[["messages"]], outputs=["segment"])
+    async def encode(self, messages: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        convo, segments = [], []
+        convo, images = [], []
         for m in messages:
-            text, images = _content_parts(m.get("content"))
+            text, imgs = _content_parts(m.get("content"))
             convo.append({"role": m["role"], "content": text})
-            segments.extend(self.cache.get_or_compute(img, self._encode) for img in images)
-        return {"prompt": convo, "image_embeds": segments}
+            images.extend(imgs)
+        pending: list[Any] = []  # parts ready to go, not yet yielded
+        index = 0
+        for img in images:
+            rows = self.cache.get(img)
+            if rows is not None:
+                pending.append(rows)
+                continue
+            if pending:  # what is ready is prefilled while this image is encoded
+                yield {"segment": {"index": index, "parts": pending, "last": False}}
+                index, pending = index + 1, []
+            rows = await self.cache.aget_or_compute(img, self._encode)
+            yield {"segment": {"index": index, "parts": [rows], "last": False}}
+            index += 1
+        pending.append({"chat": convo})
+        yield {"segment": {"index": index, "parts": pending, "last": True}}
 
 
 class Llm(of.Role):
-    """The TorchEngine: streams token text, and complete sentences for the TTS."""
+    """The TorchEngine: prefills segments as they come, streams token text and sentences."""
 
     def __init__(self, max_new_tokens: int = 64) -> None:
         self.max_new_tokens = max_new_tokens
         self.engine: of.TorchEngine | None = None
+        #: (session, call id) -> (open request id, next segment index) between activations
+        self._open: dict[tuple[str | None, str], tuple[str, int]] = {}
 
     async def setup(self) -> None:
         self.engine = of.TorchEngine(model_dir(), max_batch=16)
@@ -168,34 +227,65 @@ class Llm(of.Role):
             stop=tuple(stop) if stop else None,
         )
 
+    def _parts(self, parts: list[Any]) -> list[Any]:
+        """A segment's parts as the engine takes them (the chat part rendered to ids)."""
+        assert self.engine is not None and self.engine.tokenizer is not None
+        out = []
+        for part in parts:
+            if isinstance(part, dict) and "chat" in part:
+                out.append(self.engine.tokenizer.apply_chat_template(part["chat"]))
+            else:
+                out.append(part)
+        return out
+
     @of.interface(
-        inputs_or=[["prompt", "image_embeds", *SAMPLING_DEFAULTS]],
+        inputs_or=[["segment", *SAMPLING_DEFAULTS]],
         outputs=["text", "sentence", "usage"],
         lb="session",
+        latch=tuple(SAMPLING_DEFAULTS),
     )
     async def generate(
         self,
-        prompt: list[dict[str, Any]],
-        image_embeds: list[Any],
+        segment: dict[str, Any],
         max_tokens: Any = None,
         temperature: Any = None,
         top_p: Any = None,
         seed: Any = None,
         stop: Any = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        assert self.engine is not None and self.engine.tokenizer is not None
-        sampling = self.sampling(max_tokens, temperature, top_p, seed, stop)
-        ids = self.engine.tokenizer.apply_chat_template(prompt)
-        # images enter as segments before the conversation's text (LLaVA-style layout)
-        req = of.GenerateRequest(
-            input_ids=None if image_embeds else ids,
-            embeds=[*image_embeds, ids] if image_embeds else None,
-            session=of.context().session,
-            sampling=sampling,
-        )
-        pending, last = "", None
-        async for out in self.engine.generate(req):
-            last = out
+        assert self.engine is not None
+        ctx = of.context()
+        key = (ctx.session, ctx.call_id)
+        index, last = segment.get("index"), bool(segment.get("last"))
+        parts = self._parts(list(segment.get("parts") or []))
+        if index == 0:
+            sampling = self.sampling(max_tokens, temperature, top_p, seed, stop)
+            for stale in [k for k in self._open if k[0] == ctx.session and k[0] is not None]:
+                # calls of a session run one after another: an open request of an earlier
+                # call of this session lost its producer
+                self.engine.abort(self._open.pop(stale)[0])
+            req = of.GenerateRequest(embeds=parts, session=ctx.session, sampling=sampling)
+            if last:
+                outputs = self.engine.generate(req)
+            else:
+                self._open[key] = (await self.engine.open(req), 1)
+                return
+        else:
+            rid, expected = self._open.get(key, (None, 0))
+            if rid is None or index != expected:
+                raise ValueError(
+                    f"llm.generate: segment index {index} of call {ctx.call_id} arrived, "
+                    f"expected {expected if rid is not None else 0}"
+                )
+            self.engine.feed(rid, parts, last=last)
+            if not last:
+                self._open[key] = (rid, expected + 1)
+                return
+            del self._open[key]
+            outputs = self.engine.outputs(rid)
+        pending, final = "", None
+        async for out in outputs:
+            final = out
             if out.text:
                 yield {"text": out.text}
                 pending += out.text
@@ -205,13 +295,13 @@ class Llm(of.Role):
                         yield {"sentence": sentence.strip()}
         if pending.strip():
             yield {"sentence": pending.strip()}
-        if last is not None:
+        if final is not None:
             yield {
                 "usage": {
-                    "prompt_tokens": last.prompt_tokens,
-                    "completion_tokens": last.index + 1,
-                    "cached_tokens": last.cached_tokens,
-                    "finish_reason": last.finish_reason,
+                    "prompt_tokens": final.prompt_tokens,
+                    "completion_tokens": final.index + 1,
+                    "cached_tokens": final.cached_tokens,
+                    "finish_reason": final.finish_reason,
                 }
             }
 

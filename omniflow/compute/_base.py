@@ -7,15 +7,15 @@
 >>> #     async def _admit(self, request): ...  # request -> stream (matching, pins)
 >>> #     async def _plan(self): ...            # schedule + allocate pages
 >>> #     def _step(self, plan): ...            # one forward pass, on the engine's thread
->>> #     def _apply(self, plan, result): ...   # outputs -> streams
+>>> #     def _apply(self, plan, result): ...   # outputs -> streams (or kept for _emit)
 
 ``TorchEngine`` (the Llama-family LLM) and ``DiTEngine`` (denoising on the LLM path) are both
 subclasses: one checkpoint loader (a safetensors directory whose ``config.json`` names the
 architecture), one way to get the KV ``ParamsPool`` (an object, a graph's pool by name, a private
 one, or a seat at a co-located ``KvPoolBarrier``), and one loop: drain releases, plan a step,
-run it on the engine's single thread (the event loop keeps serving), hand the results to the
-streams. Subclasses decide what a sequence is and what a step computes; the decisions stay in
-their pure schedulers.
+run it on the engine's single thread (the event loop keeps serving), apply its results, and
+deliver them to the streams while the next step runs. Subclasses decide what a sequence is and
+what a step computes; the decisions stay in their pure schedulers.
 """
 
 from __future__ import annotations
@@ -226,6 +226,15 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
     def _between_steps(self) -> None:
         """After releases, before the next plan (e.g. inputs that arrived for open requests)."""
 
+    def _emit(self) -> bool:
+        """Deliver the outputs ``_apply`` left for later; True when there were any.
+
+        The loop calls this right after it hands the next step to the engine's thread, so the
+        delivery (the LLM's detokenizing and stop-string checks) runs while that forward pass
+        does; also before it sleeps, and when a plan came out empty. An engine whose ``_apply``
+        delivers at once (the DiT's queue pushes) keeps this default."""
+        return False
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Load weights and get the pool (idempotent; a role calls it from ``setup()``).
@@ -354,10 +363,14 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             await stream.released.wait()
 
     async def _submit(self, request: ReqT) -> StreamT:
+        await self._until_ready()
+        return await self._admit(request)
+
+    async def _until_ready(self) -> None:
+        """Refuse before ``start()``; with a co-located pool, wait until every member proposed."""
         if self._task is None or self._ready is None:
             raise EngineError("the engine is not started; await engine.start() first")
-        await asyncio.shield(self._ready)  # a co-located pool: until every member proposed
-        return await self._admit(request)
+        await asyncio.shield(self._ready)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its slots are freed by the end of the running step."""
@@ -392,6 +405,9 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
 
     # ---- the step loop ---------------------------------------------------------------------
     async def _run(self, model: Any) -> None:
+        """One step at a time. What step N produced is applied at once (state that decides
+        scheduling: lengths, stop ids) and delivered (``_emit``) while step N+1's forward pass
+        runs, so delivery is off the step-to-step critical path."""
         await self._open_seat(model)
         assert self._sched is not None
         sched = self._sched
@@ -400,15 +416,20 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             await self._drain_releases()
             self._between_steps()
             if not sched.has_work():
+                if self._emit():  # delivered; drain the releases that finished before sleeping
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             plan = await self._plan()
             if not plan:
+                self._emit()
                 continue
             self._inflight = self._plan_ids(plan)
+            step = loop.run_in_executor(self._executor, self._step, plan)
+            self._emit()  # step N's outputs, while step N+1 runs on the engine's thread
             try:
-                result = await loop.run_in_executor(self._executor, self._step, plan)
+                result = await step
             except Exception as exc:  # a model error fails the step's requests, not the engine
                 for seq in self._plan_seqs(plan):
                     self._fail(seq, EngineError(f"forward pass failed: {exc!r}"))

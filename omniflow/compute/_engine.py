@@ -9,7 +9,8 @@
 The decisions are made by the pure ``Scheduler``; this module only carries them out: it admits
 requests (tokenize, build on the session's history, match the cached prefix in the pool), plans
 each step (allocating pages first), turns sampled tokens into ``StepOutput``s, and at the end
-publishes the sequence's full pages. Loading, the pool and the step loop itself (one step at a
+publishes the sequence's full pages. ``open``/``feed``/``outputs`` take a prompt in segments
+(``_segments.SegmentFeeds``). Loading, the pool and the step loop itself (one step at a
 time on a dedicated thread, releases between steps) are ``EngineBase``'s, shared with
 ``DiTEngine``.
 """
@@ -17,6 +18,7 @@ time on a dedicated thread, releases between steps) are ``EngineBase``'s, shared
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from omniflow.compute._request import GenerateRequest, SamplingParams, StepOutpu
 from omniflow.compute._runner import ModelRunner
 from omniflow.compute._sampling import make_generator
 from omniflow.compute._scheduler import Scheduler, StepPlan
+from omniflow.compute._segments import SegmentFeeds
 from omniflow.compute._sequence import SeqStatus, Sequence
 from omniflow.compute._session import SessionHistory
 from omniflow.compute._stream import Stream
@@ -123,6 +126,9 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         self.config: ModelConfig | None = None  #: the model's config once started
         self.tokenizer: Tokenizer | None = None  #: None when the directory has no tokenizer.json
         self.history = SessionHistory(max_sessions)  #: Layer 1 of prefix reuse
+        self._segments: SegmentFeeds | None = None  #: open requests' inputs, once started
+        #: (sequence, token, finish reason from ids/length) sampled but not yet delivered
+        self._sampled: list[tuple[Sequence, int, str | None]] = []
 
     @staticmethod
     def pool(
@@ -157,6 +163,7 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         self._sched = sched = Scheduler(
             max_batch=self.max_batch, max_step_tokens=self.max_step_tokens
         )
+        self._segments = SegmentFeeds(self, model.cfg)
         return sched
 
     def _plan_ids(self, plan: StepPlan) -> set[str]:
@@ -183,21 +190,59 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
             )
         one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         stream = await self._submit(dataclasses.replace(request, sampling=one))
-        try:
-            while not (await stream.next()).finished:
+        async with contextlib.aclosing(self._deliver(stream)) as outs:
+            async for _ in outs:  # one token; leaving returns once the pages are published
                 pass
-        finally:
-            if not stream.closed:
-                self._cancel(stream)
-                self._wake.set()
-            await stream.released.wait()
         seq = stream.seq
         full = min(seq.prompt_len, seq.num_computed) // self.page_tokens
         full = min(full, len(seq.slots))
         hashes = _chain(page_keys(seq, full, self.page_tokens)) if full else []
         return PublishedPrefix(request.session, tuple(hashes), full * self.page_tokens)
 
-    async def _admit(self, request: GenerateRequest) -> Stream:
+    # ---- segmented input (the paper's segmented emission, pipelined prefill) ---------------
+    async def open(self, request: GenerateRequest, *, idle_timeout: float = 60.0) -> str:
+        """Admit ``request`` with its input left open and return its request id.
+
+        What the request holds is prefilled at once (after matching the session's cached
+        prefix); ``feed`` appends further segments, each prefilled as soon as it arrives, and
+        the last one closes the input, after which tokens are sampled and read with
+        ``outputs``. An open request that is neither fed nor read for ``idle_timeout`` seconds
+        is aborted (its caller is gone), so a cancelled producer never pins pool pages. Like
+        ``generate``, it waits for a co-located pool to be decided.
+        """
+        if not idle_timeout > 0:
+            raise RequestError("idle_timeout must be > 0 seconds", field="idle_timeout")
+        await self._until_ready()
+        stream = await self._admit(request, input_open=True)
+        assert self._segments is not None  # built with the scheduler, before ready
+        self._segments.watch(stream, idle_timeout)
+        return stream.seq.request_id
+
+    def feed(self, request_id: str, segment: Any, *, last: bool = False) -> int:
+        """Append one input segment to an open request; returns the sequence's length after it.
+
+        ``segment``: token ids, a ``(n, hidden_size)`` tensor of embedding rows, or a list of
+        those. ``last=True`` closes the input. The segment joins the sequence between steps.
+        """
+        if self._segments is None:
+            raise RequestError(
+                f"request {request_id!r} has no open input (the engine has not started; "
+                "open it with engine.open first)",
+                field="request_id",
+            )
+        return self._segments.feed(request_id, segment, last=last)
+
+    async def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+        """The ``StepOutput``s of an opened request (leaving the iterator aborts it)."""
+        stream = self._streams.get(request_id)
+        if stream is None or self._segments is None:
+            raise RequestError(f"no open request {request_id!r}", field="request_id")
+        self._segments.reading(request_id)
+        async with contextlib.aclosing(self._deliver(stream)) as outs:  # closed with this one
+            async for out in outs:
+                yield out
+
+    async def _admit(self, request: GenerateRequest, *, input_open: bool = False) -> Stream:
         assert self.config is not None and self.kv_pool is not None
         tokens, embeds = build_inputs(request, self.config, self.tokenizer, self.history)
         params = request.sampling
@@ -211,6 +256,7 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
             stop_ids=stops,
             embeds=embeds,
         )
+        seq.input_open = input_open
         if request.request_id in self._streams:
             raise RequestError(
                 f"request id {request.request_id!r} is already running", field="request_id"
@@ -255,19 +301,40 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         plan = await self._allocate(self._sched.schedule())
         return plan if plan.items else None
 
+    def _between_steps(self) -> None:
+        assert self._segments is not None
+        self._segments.apply()  # segments fed to open requests join them between steps
+
     def _apply(self, plan: StepPlan, tokens: list[int | None]) -> None:
+        """Count the computed tokens and append the sampled ones; a sequence that ids or length
+        end leaves the scheduler now, so it is never planned again. Detokenizing, stop strings
+        and queueing to the caller wait for ``_emit``, which runs beside the next step."""
         for (seq, n), token in zip(plan.items, tokens, strict=True):
             if seq.status is SeqStatus.FINISHED:
-                continue  # aborted while the step ran
+                continue  # aborted (or stopped by a stop string) while the step ran
             seq.num_computed += n
             if token is not None:
-                self._on_token(seq, token)
+                reason = seq.append(token)
+                if reason is not None:
+                    self._sched.remove(seq)
+                self._sampled.append((seq, token, reason))
 
-    def _on_token(self, seq: Sequence, token: int) -> None:
-        stream = self._streams[seq.request_id]
-        reason = seq.append(token)
+    def _emit(self) -> bool:
+        if not self._sampled:
+            return False
+        sampled, self._sampled = self._sampled, []
+        for seq, token, reason in sampled:
+            self._on_token(seq, token, reason)
+        return True
+
+    def _on_token(self, seq: Sequence, token: int, reason: str | None) -> None:
+        stream = self._streams.get(seq.request_id)
+        if stream is None or stream.closed:
+            return  # aborted since the token was sampled
         out = stream.on_token(token, reason)
         if out.finished:
+            # ids/length (already out of the scheduler) or a stop string (_finish takes it out;
+            # the token its in-flight step samples is dropped)
             seq.finish_reason = out.finish_reason
             self._finish(stream, out)
         else:

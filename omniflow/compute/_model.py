@@ -37,6 +37,8 @@ class SeqSlice:
     #: context is read with one ``index_select`` over ``block`` instead of a concatenation
     stores: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     block: torch.Tensor | None = None  #: L1 indices of the pages, in chain order
+    block_ids: list[int] | None = None  #: the same as Python ints (decode tables are built
+    #: from these with one tensor per step instead of a pad per sequence)
 
     @property
     def ctx_len(self) -> int:
@@ -207,15 +209,21 @@ class _DecodeGroup:
         page_tokens = stores[0][0].shape[1]
         used = [-(-s.ctx_len // page_tokens) for s in group]
         width = max(used)
-        blocks = [s.block[:n] for s, n in zip(group, used, strict=True) if s.block is not None]
         # pad with the sequence's own first page: written, finite data (masked out anyway;
         # an unwritten page could hold NaN bit patterns, and 0 * NaN poisons the softmax sum)
-        table = torch.stack([F.pad(b, (0, width - b.shape[0]), value=int(b[0])) for b in blocks])
-        device = table.device
-        last = torch.tensor([s.start for s in group], device=device)
-        rows = torch.arange(len(group), device=device)
-        pages = table[rows, last // page_tokens]
-        offs = last % page_tokens
+        rows: list[list[int]] = []
+        device = stores[0][0].device
+        for s, n in zip(group, used, strict=True):
+            assert s.block is not None
+            ids: list[int] = s.block_ids if s.block_ids is not None else s.block.tolist()
+            rows.append(ids[:n] + [ids[0]] * (width - n))
+        table = torch.tensor(rows, dtype=torch.long, device=device)
+        starts = [s.start for s in group]
+        last = torch.tensor(starts, device=device)
+        pages = torch.tensor(
+            [row[p // page_tokens] for row, p in zip(rows, starts, strict=True)], device=device
+        )
+        offs = torch.tensor([p % page_tokens for p in starts], device=device)
         k_pos = torch.arange(width * page_tokens, device=device)[None, :]
         mask = k_pos <= last[:, None]
         if window is not None:

@@ -23,13 +23,14 @@ __all__ = ["ModelRunner"]
 
 
 class _Pages:
-    __slots__ = ("block", "k", "n", "v")
+    __slots__ = ("block", "ids", "k", "n", "v")
 
     def __init__(self, layers: int) -> None:
         self.k: list[list[torch.Tensor]] = [[] for _ in range(layers)]  #: per layer, per page
         self.v: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         self.n = 0  #: slots attached so far
         self.block: torch.Tensor | None = None  #: L1 indices of the slots (None: use views)
+        self.ids: list[int] | None = None  #: the same as Python ints
 
 
 class ModelRunner:
@@ -55,6 +56,7 @@ class ModelRunner:
                 pages.v[layer].append(vs[layer])
         pages.n = len(seq.slots)
         pages.block = self.kv.block(seq.slots) if self._stores is not None else None
+        pages.ids = pages.block.tolist() if pages.block is not None else None
 
     def clear(self, slots: list[int]) -> None:
         """Zero freshly allocated pages: the positions a step has not written yet are read
@@ -106,7 +108,9 @@ class ModelRunner:
             pages = self._pages[seq.request_id]
             stores = self._stores if pages.block is not None else None
             seqs.append(
-                SeqSlice(start, n, pages.k, pages.v, plan.samples(seq, n), stores, pages.block)
+                SeqSlice(
+                    start, n, pages.k, pages.v, plan.samples(seq, n), stores, pages.block, pages.ids
+                )
             )
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

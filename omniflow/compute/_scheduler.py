@@ -8,7 +8,9 @@
 ``schedule()`` is a pure function of the scheduler's state: it admits waiting sequences while
 there is room (``max_batch``), gives every decoding sequence its one token, and shares the rest
 of the step's token budget among prefilling sequences in arrival order, in chunks, so a long
-prompt never stalls the streams already decoding. The async shell carries the plan out
+prompt never stalls the streams already decoding. A sequence whose input is still open
+(segmented emission: more segments are on their way) prefills what it has except its last
+token, and samples nothing until the input is closed. The async shell carries the plan out
 (allocates pages, runs the model) and reports back with ``finish_step``.
 """
 
@@ -29,8 +31,8 @@ class StepPlan:
     items: list[tuple[Sequence, int]] = field(default_factory=list)  #: (sequence, new tokens)
 
     def samples(self, seq: Sequence, n: int) -> bool:
-        """Whether this chunk reaches the end of the sequence (so a token is sampled)."""
-        return seq.num_computed + n == len(seq.tokens)
+        """Whether this chunk reaches the end of a complete input (so a token is sampled)."""
+        return not seq.input_open and seq.num_computed + n == len(seq.tokens)
 
 
 class Scheduler:
@@ -64,6 +66,15 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def has_work(self) -> bool:
+        """Whether ``schedule()`` has something to do: admit a sequence, or compute a token of a
+        running one (an open one may be waiting for its next segment). False means the loop
+        may sleep until a request arrives or a segment is fed."""
+        if self.waiting and len(self.running) < self.max_batch:
+            return True
+        return any(s.decoding or s.ready_prefill > 0 for s in self.running)
+
+    def holds(self) -> bool:
+        """Whether any sequence is queued or running (work or not)."""
         return bool(self.running or self.waiting)
 
     def schedule(self) -> StepPlan:
@@ -74,13 +85,13 @@ class Scheduler:
             self.running.append(seq)
         plan = StepPlan()
         budget = self.max_step_tokens
-        decoding = [s for s in self.running if s.remaining_prefill == 1]
+        decoding = [s for s in self.running if s.decoding]
         for seq in decoding:
             plan.items.append((seq, 1))
         budget -= len(decoding)
         for seq in self.running:
-            need = seq.remaining_prefill
-            if need > 1 and budget > 0:
+            need = seq.ready_prefill
+            if need > 0 and not seq.decoding and budget > 0:
                 n = min(need, budget)
                 plan.items.append((seq, n))
                 budget -= n

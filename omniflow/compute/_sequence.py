@@ -30,6 +30,7 @@ class Sequence:
         "cached_tokens",
         "embeds",
         "finish_reason",
+        "input_open",
         "max_new_tokens",
         "num_computed",
         "prompt_len",
@@ -60,6 +61,9 @@ class Sequence:
         self.slots: list[int] = []  #: pool pages in chain order
         self.status = SeqStatus.WAITING  #: lifecycle
         self.finish_reason: str | None = None  #: "stop" | "length" | "abort" once finished
+        #: more input segments are coming (segmented emission): what is there is prefilled,
+        #: but the last token waits, so nothing is sampled until the input is closed
+        self.input_open = False
 
     @property
     def num_generated(self) -> int:
@@ -69,6 +73,23 @@ class Sequence:
     def remaining_prefill(self) -> int:
         """Tokens still to compute before the next token can be sampled (1 when decoding)."""
         return len(self.tokens) - self.num_computed
+
+    @property
+    def ready_prefill(self) -> int:
+        """Tokens the next step may compute: all that remain, less the last one while the
+        input is open (it is computed with the sampling step once the input is complete)."""
+        return len(self.tokens) - self.num_computed - (1 if self.input_open else 0)
+
+    @property
+    def decoding(self) -> bool:
+        """One token to compute and a token to sample from it."""
+        return not self.input_open and len(self.tokens) - self.num_computed == 1
+
+    def extend(self, tokens: list[int], embeds: dict[int, torch.Tensor]) -> None:
+        """Append an input segment (ids, EMBED placeholders and their rows) to the prompt."""
+        self.tokens.extend(tokens)
+        self.embeds.update(embeds)
+        self.prompt_len = len(self.tokens)
 
     def pages_needed(self, n_tokens: int, page_tokens: int) -> int:
         """Extra pages to hold the KV of ``n_tokens`` more tokens."""

@@ -15,6 +15,8 @@ from omniflow.compute import (
     EngineError,
     GenerateRequest,
     ModelLoadError,
+    RequestError,
+    SamplingParams,
     TorchEngine,
 )
 from omniflow.compute._colocate import KvPoolBarrier, _Decision, pages_that_fit
@@ -133,11 +135,19 @@ def test_engines_take_seats_at_the_barrier(tmp_path: Path) -> None:
         assert barrier.proposals == {"llm": 300} and barrier.pool is None
         ids = list(range(5, 45))
         prefill = asyncio.ensure_future(llm.prefill(GenerateRequest(input_ids=ids, session="s")))
+        three = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        opened = asyncio.ensure_future(llm.open(GenerateRequest(input_ids=ids[:9], sampling=three)))
         for _ in range(20):
             await asyncio.sleep(0)
         assert not prefill.done() and llm.kv_pool is None  # waiting, not failed
+        assert not opened.done()  # segmented input waits for the pool the same way
+        with pytest.raises(RequestError, match="no open input"):
+            llm.feed("nope", [1])
         await dit.start()
         prefix = await prefill
+        rid = await opened
+        llm.feed(rid, [7, 8], last=True)
+        assert [o.index async for o in llm.outputs(rid)] == [0, 1, 2]
         assert llm.kv_pool is barrier.pool and dit.kv_pool is barrier.pool
         assert barrier.pool is not None and barrier.pool.capacity["l1"] == 200
         outs = [o async for o in dit.generate(DenoiseRequest(context=prefix, steps=2))]

@@ -308,3 +308,82 @@ async def test_start_is_idempotent_and_stop_fails_pending_requests(
         await task
     with pytest.raises(EngineError, match="stopped"):
         await engine.start()
+
+
+async def _until(cond: Callable[[], bool], what: str, *, limit_s: float = 120.0) -> None:
+    """Poll ``cond`` until it holds. The limit only turns a hang into a failure: it is far
+    above what a loaded machine needs, so the test does not depend on how fast steps run."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"not after {limit_s:g} s: {what}")
+        await asyncio.sleep(0.002)
+
+
+async def _computed(engine: Any, rid: str, at_least: int) -> int:
+    """Wait until ``rid`` has ``at_least`` tokens of KV."""
+    seq = engine._streams[rid].seq
+    await _until(lambda: seq.num_computed >= at_least, f"{rid} computed {at_least} tokens")
+    return int(seq.num_computed)
+
+
+async def test_segmented_input_is_prefilled_as_it_arrives_and_equals_one_shot(
+    model_dirs: Callable[[str], Path], engine_factory: Any
+) -> None:
+    engine = await engine_factory(model_dirs("llama"), max_batch=4)
+    hidden = engine.config.hidden_size
+    rows = torch.randn(13, hidden, generator=torch.Generator().manual_seed(3))
+    head, tail = prompt(21), prompt(9, salt=2)
+    whole, _ = await run(engine, GenerateRequest(embeds=[head, rows, tail], sampling=greedy(24)))
+
+    rid = await engine.open(GenerateRequest(input_ids=head, sampling=greedy(24)))
+    # the open segment is prefilled at once, all but its last token, and nothing is sampled
+    assert await _computed(engine, rid, len(head) - 1) == len(head) - 1
+    assert engine.feed(rid, rows) == len(head) + 13
+    assert await _computed(engine, rid, len(head) + 12) == len(head) + 12
+    seq = engine._streams[rid].seq
+    assert seq.num_generated == 0 and seq.input_open
+    for _ in range(50):  # idle while open: no more tokens are computed
+        await asyncio.sleep(0)
+    assert seq.num_computed == len(head) + 12
+    assert engine.feed(rid, tail, last=True) == len(head) + 13 + len(tail)
+    outs = [out async for out in engine.outputs(rid)]
+    assert [o.token_id for o in outs] == whole
+    assert outs[-1].prompt_tokens == len(head) + 13 + len(tail)
+    with pytest.raises(RequestError, match="no open input"):
+        engine.feed(rid, [1, 2])
+
+
+async def test_segment_errors_and_an_abandoned_open_request_frees_its_pages(
+    model_dirs: Callable[[str], Path], engine_factory: Any
+) -> None:
+    engine = await engine_factory(model_dirs("llama"), max_batch=4)
+    pool = engine.kv_pool
+    rid = await engine.open(GenerateRequest(input_ids=prompt(40), sampling=greedy(4)))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.feed(rid, [10**6])
+    with pytest.raises(RequestError, match=r"expected \(n >= 1, "):
+        engine.feed(rid, torch.zeros(2, 3))
+    engine.feed(rid, [7, 8], last=True)
+    with pytest.raises(RequestError, match="already fed"):
+        engine.feed(rid, [9])
+    assert len([o async for o in engine.outputs(rid)]) == 4
+    with pytest.raises(RequestError, match="no open input"):
+        engine.feed("nope", [1])
+    # a producer that goes away: the open request is aborted and its pages are freed
+    with pytest.raises(RequestError, match="idle_timeout"):
+        await engine.open(GenerateRequest(input_ids=prompt(5)), idle_timeout=0)
+    gone = await engine.open(GenerateRequest(input_ids=prompt(50), sampling=greedy(4)))
+    assert await _computed(engine, gone, 49) == 49
+    assert pool.holds(gone)
+    # its idle period runs out now (not after a prefill raced a short timeout on a busy box)
+    entry = engine._segments._open[gone]
+    entry.timeout = 0.01
+    engine._segments._arm(entry)
+    await _until(
+        lambda: not pool.holds(gone) and gone not in engine._streams,
+        f"the idle request {gone} released its pages",
+    )
+    with pytest.raises(RequestError, match="no open input"):
+        engine.feed(gone, [1])

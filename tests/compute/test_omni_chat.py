@@ -3,7 +3,9 @@ and behind ``omniflow serve`` with the official ``openai`` client (sampling fiel
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import io
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -17,6 +19,26 @@ import omniflow as of
 from tests.serve.conftest import run_server
 
 GRAPH = Path(__file__).resolve().parents[2] / "graphs" / "omni_chat.py"
+
+
+def png_url(color: tuple[int, int, int], size: int = 40) -> str:
+    """A real PNG (a colour gradient) as a data: URL."""
+    from PIL import Image
+
+    img = Image.new("RGB", (size, size))
+    img.putdata([(color[0], (color[1] + 5 * x) % 256, (color[2] + 5 * y) % 256)
+                 for y in range(size) for x in range(size)])  # fmt: skip
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(text: str, *images: str) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return {"role": "user", "content": parts}
+
+
 #: The sampling Placeholders left unset (the role's defaults: greedy, 64 new tokens).
 UNSET = dict.fromkeys(("max_tokens", "temperature", "top_p", "seed", "stop"))
 
@@ -34,17 +56,11 @@ async def test_two_turns_with_an_image(
 ) -> None:
     monkeypatch.setenv("OMNIFLOW_MODEL", str(model_dirs("llama")))
     monkeypatch.setenv("OMNIFLOW_AUDIO_DIR", str(tmp_path))
+    monkeypatch.setenv("OMNIFLOW_CACHE", str(tmp_path / "cache"))
     (graph,) = of.load_graphs(GRAPH)
-    image = "data:image/png;base64," + base64.b64encode(bytes(range(256)) * 3).decode()
-    turn1 = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Hello, what is in this picture?"},
-                {"type": "image_url", "image_url": {"url": image}},
-            ],
-        }
-    ]
+    turn1 = [user("Hello, what is in this picture?", png_url((200, 30, 60)))]
+    vision = graph.roles["vision"]
+    calls, hits = vision.calls, vision.cache.stats()["hits"]
     async with of.Runtime(graph) as rt:
         out = await rt.run("omni_chat", {"messages": turn1, **UNSET}, session="s1")
         text = "".join(out["text"])
@@ -62,8 +78,10 @@ async def test_two_turns_with_an_image(
         ]
         out2 = await rt.run("omni_chat", {"messages": turn2, **UNSET}, session="s1")
         # the image was encoded once; its rows and the first turn's pages were reused
-        assert graph.roles["vision"].calls == 1
-        assert graph.roles["vision"].cache.stats()["hits"] == 1
+        assert vision.calls == calls + 1
+        assert vision.cache.stats()["hits"] == hits + 1
+        # turn 2 arrives as one segment (cached image + text), so the whole first turn's
+        # prefix is matched: the image's 16 rows and the template's tokens
         assert out2["usage"][0]["cached_tokens"] >= 32
 
 
@@ -156,3 +174,93 @@ def test_served_to_the_openai_client(tmp_path: Path) -> None:
         client.close()
     wavs = _valid_wavs(audio)
     assert wavs, "the TTS wrote no WAV"
+
+
+async def test_segments_are_prefilled_while_the_next_image_is_encoded(
+    model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Segmented emission: the LLM prefills image A's rows before the encoder has finished
+    image B. The encoder of B waits for that prefill, so a serial pipeline (the LLM waiting for
+    every segment) deadlocks here instead of passing; the events' order is then asserted."""
+    monkeypatch.setenv("OMNIFLOW_MODEL", str(model_dirs("llama")))
+    monkeypatch.setenv("OMNIFLOW_AUDIO_DIR", str(tmp_path))
+    monkeypatch.setenv("OMNIFLOW_CACHE", str(tmp_path / "cache"))
+    (graph,) = of.load_graphs(GRAPH)
+    a, b = png_url((250, 0, 0)), png_url((0, 0, 250))
+    vision, llm = graph.roles["vision"], graph.roles["llm"]
+    events: list[str] = []
+    async with of.Runtime(graph) as rt:
+        loop = asyncio.get_running_loop()
+        prefill_started = asyncio.Event()
+        runner = llm.engine._runner
+        step = runner.step
+
+        def recording_step(plan: Any) -> Any:
+            for seq, n in plan.items:
+                first = seq.num_computed == 0
+                msg = f"prefill {seq.request_id} from {seq.num_computed} +{n}"
+                loop.call_soon_threadsafe(events.append, msg)
+                if first:
+                    loop.call_soon_threadsafe(prefill_started.set)
+            return step(plan)
+
+        runner.step = recording_step
+        encode = vision._encode
+
+        async def gated_encode(payload: str) -> Any:
+            name = "A" if payload == a else "B"
+            events.append(f"encode {name} start")
+            if name == "B":
+                await asyncio.wait_for(prefill_started.wait(), 120)
+            rows = await encode(payload)
+            events.append(f"encode {name} done")
+            return rows
+
+        vision._encode = gated_encode
+        msgs = [user("Compare these two pictures.", a, b)]
+        out = await rt.run("omni_chat", {"messages": msgs, **UNSET, "max_tokens": 12}, session="p")
+        runner.step = step
+        vision._encode = encode
+        # the whole answer equals one request with every segment given at once
+        rows = [vision.cache.get(a), vision.cache.get(b)]
+        ids = llm.engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Compare these two pictures."}]
+        )
+        req = of.GenerateRequest(
+            embeds=[*rows, ids], sampling=of.SamplingParams(max_new_tokens=12, temperature=0)
+        )
+        whole = "".join([o.text async for o in llm.engine.generate(req)])
+    prefill = next(i for i, e in enumerate(events) if e.startswith("prefill"))
+    assert events[0] == "encode A start" and events[1] == "encode A done", events
+    assert events.index("encode B start") < prefill < events.index("encode B done"), events
+    # image A's rows (16) were computed before B's rows joined: all but the last held back
+    assert events[prefill].endswith("from 0 +15"), events
+    assert "".join(out["text"]) == whole
+    assert out["usage"][0]["prompt_tokens"] == 32 + len(ids)
+
+
+async def test_an_image_changes_the_answer(
+    model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("OMNIFLOW_MODEL", str(model_dirs("llama")))
+    monkeypatch.setenv("OMNIFLOW_AUDIO_DIR", str(tmp_path))
+    monkeypatch.setenv("OMNIFLOW_CACHE", str(tmp_path / "cache"))
+    (graph,) = of.load_graphs(GRAPH)
+    inputs = {**UNSET, "max_tokens": 16, "stop": None}
+    answers = {}
+    calls = graph.roles["vision"].calls
+    async with of.Runtime(graph) as rt:
+        for name, msg in {
+            "none": user("What do you see?"),
+            "red": user("What do you see?", png_url((250, 10, 10))),
+            "red again": user("What do you see?", png_url((250, 10, 10))),
+            "blue": user("What do you see?", png_url((10, 10, 250))),
+        }.items():
+            out = await rt.run("omni_chat", {"messages": [msg], **inputs})
+            answers[name] = "".join(out["text"])
+        with pytest.raises(of.NodeError, match="only data: URLs"):
+            await rt.run("omni_chat", {"messages": [user("x", "http://e.x/a.png")], **inputs})
+    assert answers["red"] != answers["none"] and answers["blue"] != answers["none"]
+    assert answers["red"] == answers["red again"]  # deterministic, and from the cache
+    assert answers["red"] != answers["blue"]
+    assert graph.roles["vision"].calls == calls + 2

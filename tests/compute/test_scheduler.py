@@ -99,17 +99,41 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         plan = self.sched.schedule()
-        assert plan.items, "work but an empty plan"
+        if not plan.items:  # only admissions of open inputs with nothing ready yet; no spin
+            assert not self.sched.has_work(), "has_work() stays true with an empty plan"
+            assert all(s.input_open for s in self.sched.running)
+            return
         assert sum(n for _, n in plan.items) <= self.sched.max_step_tokens
         names = [s.request_id for s, _ in plan.items]
         assert len(names) == len(set(names))
-        decoding = {s.request_id for s in self.sched.running if s.remaining_prefill == 1}
+        decoding = {s.request_id for s in self.sched.running if s.decoding}
         assert decoding <= set(names), "a decoding stream was left out of a step"
         for s, n in plan.items:
-            assert 1 <= n <= s.remaining_prefill
+            assert 1 <= n <= s.ready_prefill
+            if s.input_open:  # an open input never reaches its last token, never samples
+                assert not plan.samples(s, n) and s.num_computed + n < len(s.tokens)
         for s in apply(plan, self.sched):
             self.finished.add(s.request_id)
             del self.live[s.request_id]
+
+    @rule(length=st.integers(1, 30), new=st.integers(1, 5))
+    def arrive_open(self, length: int, new: int) -> None:
+        """A request whose input comes in segments (segmented emission)."""
+        s = seq(f"r{self.n}", length, new)
+        s.input_open = True
+        self.n += 1
+        self.live[s.request_id] = s
+        self.sched.add(s)
+
+    @precondition(lambda self: any(s.input_open for s in self.live.values()))
+    @rule(data=st.data(), length=st.integers(1, 20), last=st.booleans())
+    def feed(self, data: st.DataObject, length: int, last: bool) -> None:
+        name = data.draw(st.sampled_from(sorted(n for n, s in self.live.items() if s.input_open)))
+        s = self.live[name]
+        generated = s.num_generated
+        s.extend(list(range(1, length + 1)), {})
+        assert generated == 0 and s.num_generated == 0  # nothing was sampled while open
+        s.input_open = not last
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -124,13 +148,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert queued == set(self.live)
 
     def teardown(self) -> None:
-        # drain: with no new arrivals everything finishes within a bounded number of steps
+        # drain: with no new arrivals (every open input closed) everything finishes within a
+        # bounded number of steps
+        for s in self.live.values():
+            s.input_open = False
         bound = sum(len(s.tokens) + s.max_new_tokens for s in self.live.values()) + 1
         for _ in range(bound):
             if not self.sched.has_work():
                 break
             self.step()
-        assert not self.sched.has_work()
+        assert not self.sched.holds()
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

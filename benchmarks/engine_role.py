@@ -1,0 +1,102 @@
+"""The two processes of bench_engine.py's HTTP measure: the engine behind ``omniflow serve``, and
+the same engine called directly in a process of its own.
+
+    OMNIFLOW_BENCH_MODEL=<dir> omniflow serve benchmarks/engine_role.py     # graph "llm"
+    OMNIFLOW_BENCH_MODEL=<dir> python benchmarks/engine_role.py --direct    # stdin-driven worker
+
+Both hold one ``TorchEngine`` (max_batch 16) on ``OMNIFLOW_BENCH_THREADS`` torch threads. The
+graph's one node streams a ``token`` frame per generated token; the worker reads lines
+``<concurrency> <new tokens> <prompt length>`` on stdin, runs that many concurrent requests
+straight on its engine and answers the aggregate tokens/s on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+import omniflow as of
+
+
+def prompts(k: int, plen: int) -> list[list[int]]:
+    """The prompts every contender of the concurrent measures uses."""
+    return [[5 + (i * 7 + j) % 300 for j in range(plen)] for i in range(k)]
+
+
+def make_engine() -> of.TorchEngine:
+    torch.set_num_threads(int(os.environ.get("OMNIFLOW_BENCH_THREADS", "2")))
+    return of.TorchEngine(
+        os.environ["OMNIFLOW_BENCH_MODEL"], max_batch=16, max_step_tokens=2112, pool_pages=2048
+    )
+
+
+def request(ids: list[int], n: int) -> of.GenerateRequest:
+    greedy = of.SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+    return of.GenerateRequest(input_ids=ids, sampling=greedy)
+
+
+class Llm(of.Role):
+    """The engine as a role: one ``token`` frame per generated token."""
+
+    def __init__(self, engine: of.TorchEngine | None = None) -> None:
+        self.engine = engine  #: a caller's engine (not stopped here), or made at setup
+        self._own = engine is None
+
+    async def setup(self) -> None:
+        if self._own and "OMNIFLOW_BENCH_MODEL" in os.environ:
+            self.engine = make_engine()
+            await self.engine.start()
+
+    async def teardown(self) -> None:
+        if self._own and self.engine is not None:
+            await self.engine.stop()
+
+    @of.interface(inputs_or=[["ids", "n"]], outputs=["token"])
+    async def generate(self, ids: list[int], n: int) -> AsyncIterator[dict[str, Any]]:
+        if self.engine is None:
+            raise RuntimeError("set OMNIFLOW_BENCH_MODEL to a model directory")
+        async for out in self.engine.generate(request(ids, n)):
+            yield {"token": out.token_id}
+
+
+graph = of.Graph(
+    "llm",
+    roles={"llm": Llm()},
+    inputs=[of.Placeholder("ids"), of.Placeholder("n")],
+    outputs=["token"],
+)
+
+
+async def direct(engine: of.TorchEngine, k: int, n: int, plen: int) -> float:
+    """Aggregate tokens/s of ``k`` concurrent requests on ``engine``."""
+
+    async def one(ids: list[int]) -> int:
+        return sum([1 async for _ in engine.generate(request(ids, n))])
+
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts(k, plen)))
+    dt = time.perf_counter() - t
+    assert sum(counts) == k * n, counts
+    return sum(counts) / dt
+
+
+async def _worker() -> None:
+    engine = make_engine()
+    await engine.start()
+    await direct(engine, 2, 4, 8)  # warm-up
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        k, n, plen = (int(x) for x in line.split())
+        print(f"{await direct(engine, k, n, plen):.3f}", flush=True)
+    await engine.stop()
+
+
+if __name__ == "__main__" and "--direct" in sys.argv:
+    asyncio.run(_worker())
