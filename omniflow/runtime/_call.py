@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import NodeError
 
 if TYPE_CHECKING:
-    from omniflow.runtime._core import CallCore
+    from omniflow.runtime._core import Activation, CallCore
     from omniflow.runtime._params import SessionParams
     from omniflow.runtime._runtime import Runtime
 
@@ -63,6 +64,12 @@ class Call:
         self._done = asyncio.Event()
         #: The scheduling core while the call runs (None before start and after the end).
         self.core: CallCore | None = None
+        #: The shell's side of the call (the core never sees these): activations handed out
+        #: to run and not started yet, the task (or remote handle) of each suspended one, and
+        #: start times while metrics are on.
+        self._ready: deque[Activation] = deque()
+        self._tasks: dict[Activation, Any] = {}
+        self._t0: dict[Activation, float] = {}
         #: "pending", "running", then "ok" | "error" | "cancelled".
         self.status = "pending"
         #: Node errors of the call (kind "error" or "cancel").
@@ -93,7 +100,7 @@ class Call:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _push(self, frames: list[tuple[str, Any, str, int]]) -> None:
+    def _push(self, frames: Sequence[tuple[str, Any, str, int]]) -> None:
         append = self._frames.append
         for f, v, n, s in frames:
             append(Frame(f, v, n, s))

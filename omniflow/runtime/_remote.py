@@ -229,7 +229,8 @@ class _Replica:
 
 
 class _RemoteHandle:
-    """What ``act.task`` holds for a remote activation: ``cancel()`` asks its replicas."""
+    """The shell's task for a remote activation (in ``call._tasks``): ``cancel()`` asks its
+    replicas."""
 
     __slots__ = ("key", "remote")
 
@@ -471,7 +472,7 @@ class RemoteRoles:
             targets = [live[next(self._rr[role]) % len(live)]]
         key = (call.call_id, act.aid)
         self._pending[key] = _Pending(call, core, act, list(targets))
-        act.task = _RemoteHandle(self, key)
+        call._tasks[act] = _RemoteHandle(self, key)
         kwargs = act.kwargs
         plane = self.plane
         # Big inputs go through the front's pool when every replica it may reach (a run
