@@ -103,7 +103,14 @@ class Call:
     def _push(self, frames: Sequence[tuple[str, Any, str, int]]) -> None:
         append = self._frames.append
         for f, v, n, s in frames:
-            append(Frame(f, v, n, s))
+            # ``Frame(f, v, n, s)`` without the frozen dataclass's four ``object.__setattr__``
+            # calls (once per frame a caller receives).
+            fr = _alloc(Frame)
+            _set_field(fr, f)
+            _set_value(fr, v)
+            _set_node(fr, n)
+            _set_seq(fr, s)
+            append(fr)
         self._wake()
 
     def _wake(self) -> None:
@@ -227,3 +234,9 @@ class _Frames:
 
 
 _NEW, _READING, _CLOSED = "new", "reading", "closed"
+
+_alloc = object.__new__
+# The slot descriptors of Frame's fields (set once, on a new Frame, before anyone sees it).
+_set_field, _set_value, _set_node, _set_seq = (
+    vars(Frame)[name].__set__ for name in ("field", "value", "node", "seq")
+)

@@ -42,7 +42,7 @@ from omniflow.runtime._buckets import (
     quiescent_pick,
     rule_error,
 )
-from omniflow.runtime._compiled import Compiled
+from omniflow.runtime._compiled import Compiled, Fanout
 from omniflow.runtime._liveness import FRAME, INPUT_ENTRY, Entry, Liveness, Table, Uncounted
 from omniflow.runtime._ordering import StreamOrder
 from omniflow.runtime._stimuli import (
@@ -110,7 +110,7 @@ class Activation:
         #: PENDING, RUNNING or DONE (born PENDING, or RUNNING when admitted straight to
         #: running; moved by ``CallCore._move`` only).
         self.state = state
-        #: Frames produced so far (the next frame's yield index).
+        #: Frames produced so far (the next frame's yield index; counted for stamping nodes).
         self.yidx = 0
         #: Data-plane refs among its inputs (each held until the activation ends).
         self.refs: list[DataRef] | None = None
@@ -183,8 +183,9 @@ class CallCore:
         self._shuffle = shuffle
         #: A Crash ended the call: later stimuli are ignored.
         self.crashed = False
-        #: A stimulus skipped settling (``unsettled``).
-        self._deferred = False
+        #: A stimulus left settling for later: the shell must send ``SETTLE`` once it has
+        #: started the ready work it holds (read-only for the shell).
+        self.unsettled = False
         #: Stimulus type -> handler (``_IGNORE_ALL`` once crashed).
         self._handlers = _HANDLERS
         #: Consumer edges (activations, buckets) holding each data-plane ref.
@@ -288,8 +289,11 @@ class CallCore:
         self._log("start", tuple(inputs))
         table: Table = (INPUT_ENTRY,)
         self.live.inc(table, "<input>")  # hold the call open while the inputs fan out
+        fanout = self.c.fanout["<input>"]
         for f, v in inputs.items():
-            self._dispatch("<input>", f, v, table, INPUT_ENTRY)
+            fan = fanout.get(f)
+            if fan is not None:
+                self._dispatch(fan, "<input>", f, v, table, INPUT_ENTRY)
         self.live.dec(table, "<input>")
         self._settle()
         return True
@@ -297,11 +301,14 @@ class CallCore:
     def _on_produced(self, ev: Produced) -> bool:
         """A method yielded a frame. False: stop the method (frame rejected, call closing)."""
         act = ev.act
-        self._log("frame", act.node, act.aid)
+        story = self._story
+        if story is not None:  # ``_log``, inlined: once per yielded frame
+            story.append((self.call_id, self.stimuli, "frame", act.node, act.aid))
         if self.closing or act.state is not RUNNING:
             return False
         if self._frame(act, ev.frame):
-            self._settle()
+            if self._settle_due():
+                self._settle()
             return True
         return False
 
@@ -369,7 +376,7 @@ class CallCore:
 
     def _frame(self, act: Activation, frame: Any) -> bool:
         node = act.node
-        if not isinstance(frame, dict):
+        if type(frame) is not dict and not isinstance(frame, dict):
             self._reject(
                 act,
                 f"produced {type(frame).__name__} {frame!r:.80}; return or yield "
@@ -386,9 +393,9 @@ class CallCore:
                 field=str(f),
             )
             return False
-        idx = act.yidx
-        act.yidx = idx + 1
         if node in self.c.stamping:
+            idx = act.yidx  # only stamped frames need their yield index
+            act.yidx = idx + 1
             if node in self.c.session_nodes:
                 n = self._session_seq.get(node, 0)
                 self._session_seq[node] = n + 1
@@ -396,29 +403,34 @@ class CallCore:
             else:
                 entry = (node, act.aid, idx)
             table = act.table
-            for e in table:
-                if e[0] == node:  # a loop came back: keep one entry per stamping node
-                    table = tuple(x for x in table if x[0] != node)
-                    break
-            table = (*table, entry)
-            if self._stamp_no is not None:
+            if self._stamp_no is not None:  # on a graph with cycles
+                for e in table:
+                    if e[0] == node:  # a loop came back: keep one entry per stamping node
+                        table = tuple(x for x in table if x[0] != node)
+                        break
                 self._stamp_no[entry] = len(self._stamp_no)
+            table = (*table, entry)
             seq = entry if node in self.c.seq_nodes else act.seq
-            # Hold: consumers of this frame are created one by one (the node under the older
-            # entries, the frame itself under its own; see FRAME).
-            older = table[:-1]
+            # Hold: consumers of this frame are created one by one. Under the older entries
+            # the producing activation holds its node (it is RUNNING until its end, which
+            # comes after this frame); under its own entry the frame holds FRAME.
+            own = (entry,)
             live = self.live
-            live.inc(older, node)
-            live.inc((entry,), FRAME)
+            live.inc(own, FRAME)
+            fanout = self.c.fanout[node]
             for f, v in frame.items():
-                self._dispatch(node, f, v, table, seq)
-            live.dec((entry,), FRAME)
-            self._dec(older, node)
+                fan = fanout.get(f)
+                if fan is not None:  # else nobody consumes it
+                    self._dispatch(fan, node, f, v, table, seq)
+            live.dec(own, FRAME)
         else:
             table = act.table
             seq = act.seq
+            fanout = self.c.fanout[node]
             for f, v in frame.items():
-                self._dispatch(node, f, v, table, seq)
+                fan = fanout.get(f)
+                if fan is not None:  # else nobody consumes it
+                    self._dispatch(fan, node, f, v, table, seq)
         return True
 
     def _done(self, act: Activation, exc: BaseException | None, settle: bool) -> None:
@@ -448,22 +460,24 @@ class CallCore:
                 blocked = self._blocked.get(node)
                 if blocked and not self.closing:
                     self._run(blocked.popleft())
-        if settle and not self._out_run:
-            self._settle()
-        elif self._touched or self.live.dirty or self._pump_later or self._n_parked:
-            # The shell is starting a batch of ready work (this one's, or what it still had):
-            # it sends SETTLE once the batch is started (``unsettled``), so one pass covers
-            # what a whole batch of returns left behind.
-            self._deferred = True
-        elif not self.n_acts:
-            self._deferred = True  # nothing runs: the settle will finish the call
-        # (Otherwise a settle would change nothing, and none is asked for.)
+        if self._settle_due():
+            if settle and not self._out_run:
+                self._settle()
+            else:
+                # The shell is starting a batch of ready work (this one's, or what it still
+                # had): it sends SETTLE once the batch is started, so one pass covers what a
+                # whole batch of returns left behind.
+                self.unsettled = True
 
-    @property
-    def unsettled(self) -> bool:
-        """A stimulus left settling for later: the shell must send ``SETTLE`` once it has
-        started the ready work it holds."""
-        return self._deferred
+    def _settle_due(self) -> bool:
+        """Would a settle change anything now? (Otherwise none is run, nor asked for.)"""
+        return bool(
+            self._touched
+            or self.live.dirty
+            or self._pump_later
+            or self._n_parked
+            or not self.n_acts
+        )
 
     def _move(self, act: Activation, to: ActState) -> None:
         """The one place an activation changes state (``_stimuli.LEGAL``)."""
@@ -517,10 +531,10 @@ class CallCore:
 
     # ------------------------------------------------------------------ routing
 
-    def _dispatch(self, src: str, f: str, value: Any, table: Table, seq: Entry) -> None:
-        fan = self.c.fanout[src].get(f)
-        if fan is None:
-            return  # nobody consumes it
+    def _dispatch(
+        self, fan: Fanout, src: str, f: str, value: Any, table: Table, seq: Entry
+    ) -> None:
+        """Send one frame of ``src``'s field ``f`` where ``fan`` (its fanout) says."""
         routes, latching, to_caller = fan
         if routes:
             is_ref = type(value) is DataRef
@@ -550,8 +564,9 @@ class CallCore:
                     act.refs = [value]
                     self._hold(value)
                 self._admit(act)
-        for dst in latching:
-            self._latch_value(dst, f, value)
+        if latching:
+            for dst in latching:
+                self._latch_value(dst, f, value)
         if to_caller:
             self._emit(src, f, value, seq)
 
@@ -904,7 +919,7 @@ class CallCore:
     def _settle(self) -> None:
         """Evaluate touched buckets and waiters of entries whose liveness dropped, to a fixpoint;
         then finish the call if nothing of it is left."""
-        self._deferred = False
+        self.unsettled = False
         self._settle_pass()
         while self._pump_later:
             for node in sorted(self._pump_later):
@@ -1192,7 +1207,7 @@ class CallCore:
     def validate(self) -> None:
         """Check every invariant of the call's state; raise AssertionError naming the breach.
         Call it between stimuli, after the shell settled (not from inside a step)."""
-        if self._touched or self.live.dirty or self._pump_later or self._deferred:
+        if self._touched or self.live.dirty or self._pump_later or self.unsettled:
             raise AssertionError(
                 f"call {self.call_id}: left unsettled (touched {len(self._touched)} buckets, "
                 f"liveness drops under {sorted(self.live.dirty)}); the shell must send SETTLE "

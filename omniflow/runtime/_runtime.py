@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -71,6 +71,14 @@ class RuntimeState(enum.Enum):
 
 
 _new = tuple.__new__
+
+
+def _resume_cb(
+    rt: Runtime, call: Call, core: CallCore, act: Activation, coro: Any
+) -> Callable[[asyncio.Task[Any]], None]:
+    """The done callback of a suspended coroutine's task (its own closure: ``_launch``
+    rebinds ``act`` and ``coro`` as it walks a chain)."""
+    return lambda t: rt._resumed(call, core, act, coro, t)
 
 
 def _context_of(call: Call, act: Activation) -> ActivationContext:
@@ -607,7 +615,14 @@ class Runtime:
         """One stimulus from outside the pump: handle it, carry out the answer, then start
         the ready work it made. Returns ``Instructions.accepted``."""
         ins = core.handle(stimulus)
-        self._apply(call, core, ins)
+        if ins is not NOTHING:
+            run, emit, release, cancel, finished, accepted = ins
+            if emit or release or cancel or finished:
+                self._apply(call, core, ins)
+            else:  # ``_apply``'s common case, inlined: work to start
+                call._ready.extend(run)
+                self._pump(call, core)
+                return accepted
         self._pump(call, core)
         return ins.accepted
 
@@ -654,42 +669,49 @@ class Runtime:
 
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
         metrics = self.metrics
-        if metrics is not None:
-            call._t0[act] = time.perf_counter()
-        method = call._coros.get(act.node)
-        kwargs = act.kwargs
-        if method is None or act.refs:
-            got = self._launch_other(call, core, act)
-            if got is None:
-                return
-            method, kwargs = got
-        token = _current.set((_context_of, call, act))
-        try:
+        while True:  # one turn per activation of a chain of inline returns
+            if metrics is not None:
+                call._t0[act] = time.perf_counter()
+            method = call._coros.get(act.node)
+            kwargs = act.kwargs
+            if method is None or act.refs:
+                got = self._launch_other(call, core, act)
+                if got is None:
+                    return
+                method, kwargs = got
+            token = _current.set((_context_of, call, act))
             try:
-                coro = method(**kwargs)
-                fut = coro.send(None)
-            except StopIteration as stop:
-                # Returned within its first step; more of the batch waiting: settle later.
-                if metrics is not None:
-                    self._observe(call, act, None)
-                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-                ins = core.handle(_new(Returned, (act, stop.value, not call._ready)))
-                if ins is not NOTHING:
+                try:
+                    coro = method(**kwargs)
+                    fut = coro.send(None)
+                except StopIteration as stop:
+                    # Returned within its first step; more of the batch waiting: settle later.
+                    if metrics is not None:
+                        self._observe(call, act, None)
+                    # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                    ins = core.handle(_new(Returned, (act, stop.value, not call._ready)))
+                    if ins is NOTHING:
+                        return
                     run, emit, release, cancel, finished, _ = ins
                     if emit or release or cancel or finished:
                         self._apply(call, core, ins)
-                    else:  # ``_apply``'s common case, inlined: the next activations to run
-                        call._ready.extend(run)
+                        return
+                    if len(run) == 1 and not call._ready:
+                        # The pump would start it next: start it now (a chain's next hop).
+                        act = run[0]
+                        continue
+                    call._ready.extend(run)  # ``_apply``'s common case, inlined
+                    return
+                except (Exception, asyncio.CancelledError) as exc:
+                    self._done(call, core, act, exc, not call._ready)
+                    return
+                task = asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
+                call._tasks[act] = task
+                self._track(task)
+                task.add_done_callback(_resume_cb(self, call, core, act, coro))
                 return
-            except (Exception, asyncio.CancelledError) as exc:
-                self._done(call, core, act, exc, not call._ready)
-                return
-            task = asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
-            call._tasks[act] = task
-            self._track(task)
-            task.add_done_callback(lambda t: self._resumed(call, core, act, coro, t))
-        finally:
-            _current.reset(token)
+            finally:
+                _current.reset(token)
 
     def _launch_other(
         self, call: Call, core: CallCore, act: Activation
@@ -767,7 +789,8 @@ class Runtime:
                 if call.done:
                     break
                 try:
-                    accepted = self._step(call, core, Produced(act, frame))
+                    # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                    accepted = self._step(call, core, _new(Produced, (act, frame)))
                 except Exception as internal:
                     self._crash(call, internal)
                     break
@@ -819,7 +842,7 @@ class Runtime:
         if call.done:
             return
         try:
-            ins = core.handle(Produced(act, frame))
+            ins = core.handle(_new(Produced, (act, frame)))
             self._apply(call, core, ins)
             handle = call._tasks.get(act)
             if not ins.accepted and handle is not None and not core.closing:
