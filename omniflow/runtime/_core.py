@@ -247,15 +247,19 @@ class CallCore:
         else:
             accepted = self._handlers[type(stimulus)](self, stimulus)
         run = self._out_run
-        if not (self._out_emit or self._out_release or self._out_cancel or self.finished):
-            # The common answer: work to run, or nothing at all.
-            if not run:
+        if not (self._out_release or self._out_cancel or self.finished):
+            # The common answers: work to run and/or frames for the caller, or nothing.
+            emit = self._out_emit
+            if emit:
+                self._out_emit = []
+            elif not run:
                 return NOTHING if accepted else REJECTED
-            self._out_run = []
-            if self._shuffle is not None and len(run) > 1:
-                self._shuffle.shuffle(run)
+            if run:
+                self._out_run = []
+                if self._shuffle is not None and len(run) > 1:
+                    self._shuffle.shuffle(run)
             # ``tuple.__new__``: a NamedTuple's own constructor is Python code.
-            return _new(Instructions, ((*run,), (), (), (), False, accepted))
+            return _new(Instructions, ((*run,), (*emit,), (), (), False, accepted))
         if run:
             self._out_run = []
             if self._shuffle is not None and len(run) > 1:

@@ -603,7 +603,7 @@ class Runtime:
         inputs = call._inputs or {}
         call._inputs = None
         try:
-            self._step(call, core, Start(inputs))
+            self._step(call, core, _new(Start, (inputs,)))
         except Exception as exc:
             self._crash(call, exc)
 
