@@ -387,7 +387,8 @@ class CallCore:
                 "a dict of output fields (or None for nothing)",
             )
             return False
-        outputs = self.c.outputs[node]
+        c = self.c
+        outputs = c.outputs[node]
         if not outputs.issuperset(frame):
             f = next(f for f in frame if f not in outputs)
             self._reject(
@@ -397,10 +398,10 @@ class CallCore:
                 field=str(f),
             )
             return False
-        if node in self.c.stamping:
+        if node in c.stamping:
             idx = act.yidx  # only stamped frames need their yield index
             act.yidx = idx + 1
-            if node in self.c.session_nodes:
+            if node in c.session_nodes:
                 n = self._session_seq.get(node, 0)
                 self._session_seq[node] = n + 1
                 entry: Entry = (node, 0, n)
@@ -414,14 +415,14 @@ class CallCore:
                         break
                 self._stamp_no[entry] = len(self._stamp_no)
             table = (*table, entry)
-            seq = entry if node in self.c.seq_nodes else act.seq
+            seq = entry if node in c.seq_nodes else act.seq
             # Hold: consumers of this frame are created one by one. Under the older entries
             # the producing activation holds its node (it is RUNNING until its end, which
             # comes after this frame); under its own entry the frame holds FRAME.
             own = (entry,)
             live = self.live
             live.inc(own, FRAME)
-            fanout = self.c.fanout[node]
+            fanout = c.fanout[node]
             for f, v in frame.items():
                 fan = fanout.get(f)
                 if fan is not None:  # else nobody consumes it
@@ -430,7 +431,7 @@ class CallCore:
         else:
             table = act.table
             seq = act.seq
-            fanout = self.c.fanout[node]
+            fanout = c.fanout[node]
             for f, v in frame.items():
                 fan = fanout.get(f)
                 if fan is not None:  # else nobody consumes it
@@ -464,7 +465,14 @@ class CallCore:
                 blocked = self._blocked.get(node)
                 if blocked and not self.closing:
                     self._run(blocked.popleft())
-        if self._settle_due():
+        # ``_settle_due()``, inlined (once per activation).
+        if (
+            self._touched
+            or self.live.dirty
+            or self._pump_later
+            or self._n_parked
+            or not self.n_acts
+        ):
             if settle and not self._out_run:
                 self._settle()
             else:
