@@ -115,12 +115,11 @@ class BucketSpec:
 
 
 def bucket_specs(
-    plan: StaticPlan, roots: dict[tuple[str, int], str] | None = None
+    plan: StaticPlan, roots: dict[tuple[str, int], str]
 ) -> dict[tuple[str, int], BucketSpec]:
-    """Precompute a BucketSpec for every bucket of the plan; ``roots`` overrides the plan's
-    diamond roots (the runtime keys buckets of once-per-call roots by the call's entry)."""
-    if roots is None:
-        roots = plan.diamond_roots
+    """Precompute a BucketSpec for every bucket of the plan; ``roots``: the root each bucket
+    is keyed by (the plan's diamond roots, except that the runtime keys buckets of
+    once-per-call roots by the call's entry: ``_compiled``)."""
     feeders: dict[str, frozenset[str]] = {}
     for src in {s for slots in plan.slots.values() for _f, s in slots}:
         feeders[src] = frozenset(m for m, r in plan.reach.items() if src in r)
@@ -345,9 +344,7 @@ def _settled_value(fs: FieldSpec, lst: list[tuple[Any, Any]] | None) -> Any:
     the list."""
     if fs.mode == "plain":
         return lst[0][1] if lst else None
-    if fs.mode == "count" and fs.threshold is not None and lst and len(lst) > fs.threshold:
-        lst = sorted(lst, key=lambda kv: kv[0])[: fs.threshold]
-        return [v for _k, v in lst]
+    # A count field never holds more than its threshold (``add`` refuses the frame after).
     return _ordered(lst)
 
 

@@ -86,9 +86,6 @@ class Liveness:
         else:
             del self.watched[e]
 
-    def live_nodes(self, e: Entry) -> dict[str, int]:
-        return self.counts.get(e, _EMPTY)
-
     def reaches(
         self, e: Entry, sources: frozenset[str], discount: dict[str, int] | None = None
     ) -> bool:
@@ -104,10 +101,6 @@ class Liveness:
                 if c > 0:
                     return True
         return False
-
-    def total(self) -> int:
-        d = self.counts.get(INPUT_ENTRY)
-        return sum(d.values()) if d else 0
 
     def validate(self, expected: Iterable[tuple[Table, str]]) -> None:
         """Recount from the live work the owner knows about; raise on any difference."""
@@ -132,4 +125,3 @@ class Uncounted(Liveness):
         pass
 
 
-_EMPTY: dict[str, int] = {}

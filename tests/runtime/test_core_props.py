@@ -726,3 +726,52 @@ def test_a_rejected_frame_is_not_accepted_and_errs() -> None:
     while ready:
         ready.extend(core.handle(Ended(ready.pop())).run)
     assert core.finished and core.status == "error"
+
+
+# ------------------------------------------------------------------ the pieces' own rules
+
+
+def test_liveness_reaches_discounts_the_asker_and_validate_names_a_drift() -> None:
+    from omniflow.runtime._liveness import INPUT_ENTRY, Liveness
+
+    live = Liveness()
+    table = (INPUT_ENTRY,)
+    live.inc(table, "a")
+    assert live.reaches(INPUT_ENTRY, frozenset({"a"}))
+    assert not live.reaches(INPUT_ENTRY, frozenset({"a"}), {"a": 1})  # only the asker is there
+    assert not live.reaches(("x", 1, 0), frozenset({"a"}))
+    live.validate([(table, "a")])
+    with pytest.raises(AssertionError, match="liveness drifted"):
+        live.validate([(table, "b")])
+
+
+def test_stream_order_validate_names_a_stale_index() -> None:
+    so = StreamOrder("gen.run", 3)
+    so.push(0, "a")
+    so.advance()
+    with pytest.raises(AssertionError, match=r"pending index 0 \(exp 1\)"):
+        so.validate()
+
+
+def test_bucket_wakes_and_refreshes_only_for_fields_a_drop_can_end() -> None:
+    spec = _spec(PLAIN_AB, PLAIN_C)
+    spec = BucketSpec(
+        node=spec.node,
+        group=spec.group,
+        root=spec.root,
+        fields=spec.fields,
+        by_field=spec.by_field,
+        field_feeders=spec.field_feeders,
+        is_join=False,
+        feeds={"A": frozenset({"x"}), "B": frozenset({"x"}), "C": frozenset({"y"})},
+    )
+    b = Bucket(spec, ("r.run", 1, 0), (("<input>", 0, 0), ("r.run", 1, 0)))
+    assert b.add("x", 1, 0) is None
+    assert b.wakes_on(["A"]) and not b.wakes_on(["Z"])
+    # C's drop cannot end x: nothing settles, and y still waits on C's live work.
+    assert b.refresh({"C": 1}, ["Z"]) is None and b.open == {"x", "y"}
+    assert b.refresh({"C": 1}, ["A", "B"]) is None and b.open == {"y"}
+    assert b.add("y", 2, 0) is None and not b.open
+    assert b.wakes_on(["Z"])  # nothing open: any drop may let it be decided
+    assert b.refresh(None, None) is None
+    assert b.evaluate(None) == Fire({"x": 1, "y": 2})
