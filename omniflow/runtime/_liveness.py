@@ -123,5 +123,3 @@ class Uncounted(Liveness):
 
     def dec(self, table: Table, node: str) -> None:
         pass
-
-
