@@ -1,6 +1,7 @@
 """Tensors between two worker processes through the omniflow runtime, vs. the alternatives.
 
     .venv/bin/python benchmarks/bench_data_plane.py [--sizes-mb 1,64,512] [--repeats 30,8,3]
+    .venv/bin/python benchmarks/bench_data_plane.py --sizes-mb 64 --repeats 8 --only zmq
 
 A float32 tensor of each size (MiB) goes from a producer node in one worker process to a
 consumer node in another, and the consumer sums one element per 4 KiB page of what it got
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -100,10 +102,24 @@ def gbps(nbytes: int, seconds: float) -> float:
 # -- (a)-(c) through the runtime --------------------------------------------------------------
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every process below it (the workers)."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 async def bench_runtime(
     sizes: list[int], repeats: list[int], **kw: Any
-) -> dict[int, tuple[float, float, int]]:
-    """size -> (median transfer s, median call s, producer's offloaded values)."""
+) -> dict[int, tuple[float, float, int, float]]:
+    """size -> (median transfer s, median call s, producer's offloaded values, CPU s per call
+    summed over the front and the workers)."""
     out = {}
     (g,) = of.load_graphs(__file__)  # by path: run as __main__, workers must find it again
     async with of.Runtime(g, placement="process", **kw) as rt:
@@ -111,16 +127,20 @@ async def bench_runtime(
         for size, rounds in zip(sizes, repeats, strict=True):
             nbytes = size * MB
             transfers, calls = [], []
-            for _ in range(rounds + 1):
+            for i in range(rounds + 1):
+                if i == 1:
+                    cpu0 = cpu_seconds()
                 t = time.perf_counter()
                 r = await rt.run("bench_dp", {"nbytes": nbytes})
                 calls.append(time.perf_counter() - t)
                 transfers.append(r["t1"][0] - r["t0"][0])
                 assert r["pages"] == [nbytes / 4 / PAGE_ELEMS], r["pages"]
+            cpu = (cpu_seconds() - cpu0) / rounds
             stats = await rt.pool_stats()
             offloaded = sum(s["offloaded"] for s in stats.values()) - before
             before += offloaded
-            out[size] = (statistics.median(transfers[1:]), statistics.median(calls[1:]), offloaded)
+            out[size] = (statistics.median(transfers[1:]), statistics.median(calls[1:]),
+                         offloaded, cpu)  # fmt: skip
         assert rt.stats()["data_plane_bytes"] == 0
     return out
 
@@ -222,27 +242,59 @@ def table(sizes: list[int], r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def calls_table(sizes: list[int], r: dict[str, Any]) -> str:
+    """Whole-call wall time and CPU time (all processes) of the runtime paths that ran."""
+    modes = [k for k in ("shm", "zmq", "inline") if k in r]
+    lines = [
+        "| size | " + " | ".join(f"{k} call ms | {k} CPU ms" for k in modes) + " |",
+        "|---:|" + "---:|---:|" * len(modes),
+    ]
+    for size in sizes:
+        cells = " | ".join(f"{r[k][size][1] * 1e3:.1f} | {r[k][size][3] * 1e3:.1f}" for k in modes)
+        lines.append(f"| {size} MiB | {cells} |")
+    lines.append("")
+    lines.append("call = whole rt.run, median; CPU = user + system of the front and its workers "
+                 "per call, mean over the repeats.")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", default="1,64,512", help="tensor sizes in MiB")
     parser.add_argument("--repeats", default="30,8,3", help="timed repeats per size (+1 warm-up)")
+    parser.add_argument(
+        "--only", action="append", choices=PATHS, help="these paths only (repeatable)"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     repeats = [int(n) for n in args.repeats.split(",")]
+    only = args.only or list(PATHS)
     os.environ["OMNIFLOW_POOL_BYTES"] = str(max(256, 2 * max(sizes)) * MB)
     results: dict[str, Any] = {}
     t = time.perf_counter()
-    results["memcpy"] = bench_memcpy(sizes, repeats)
-    results["shm"] = asyncio.run(bench_runtime(sizes, repeats))
-    results["zmq"] = asyncio.run(bench_runtime(sizes, repeats, connectors={EDGE: "zmq"}))
-    results["inline"] = asyncio.run(bench_runtime(sizes, repeats, data_threshold=2**62))
-    results["torch"] = bench_torch(sizes, repeats)
-    for size in sizes:  # the data plane carried the tensor in (a) and (b), never in (c)
-        assert results["shm"][size][2] == results["zmq"][size][2] == repeats[sizes.index(size)] + 1
-        assert results["inline"][size][2] == 0
-    print(f"python {sys.version.split()[0]}, nproc {os.cpu_count()}, "
-          f"{time.perf_counter() - t:.0f} s\n")  # fmt: skip
-    print(table(sizes, results))
+    if "memcpy" in only:
+        results["memcpy"] = bench_memcpy(sizes, repeats)
+    if "shm" in only:
+        results["shm"] = asyncio.run(bench_runtime(sizes, repeats))
+    if "zmq" in only:
+        results["zmq"] = asyncio.run(bench_runtime(sizes, repeats, connectors={EDGE: "zmq"}))
+    if "inline" in only:
+        results["inline"] = asyncio.run(bench_runtime(sizes, repeats, data_threshold=2**62))
+    if "torch" in only:
+        results["torch"] = bench_torch(sizes, repeats)
+    for i, size in enumerate(sizes):  # the data plane carried the tensor in shm and zmq only
+        for k in ("shm", "zmq"):
+            assert k not in results or results[k][size][2] == repeats[i] + 1
+        assert "inline" not in results or results["inline"][size][2] == 0
+    print(f"python {sys.version.split()[0]}, nproc {os.cpu_count()}, load average "
+          f"{os.getloadavg()[0]:.1f}, {time.perf_counter() - t:.0f} s\n")  # fmt: skip
+    if args.only is None:
+        print(table(sizes, results))
+        print()
+    print(calls_table(sizes, results))
+
+
+PATHS = ("memcpy", "shm", "zmq", "inline", "torch")
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@
     OMNIFLOW_T2I_LLM=ckpt/llm OMNIFLOW_T2I_DIT=ckpt/dit OMNIFLOW_T2I_OUT=cat.png \
         python graphs/t2i_unified.py "a cat on a mat"
 
-``llm.prefill`` tokenizes the prompt and runs the Llama-family prefill straight into pages of
-the co-located KV pool, then publishes the prompt's full pages under the call's session.
-``dit.denoise`` matches that chain in the same pool and denoises ``STEPS`` Euler steps whose
-attention reads those pages in place (no copy between the roles), streaming a ``preview`` PNG
-every ``EVERY`` steps; ``vae.decode`` turns the final latents into the ``png`` bytes. The LLM and
-the DiT join one ``KvPoolBarrier`` after loading their weights, so the pool they share is sized
-by the smaller of their proposals. Without the environment variables the roles make tiny
-random-init checkpoints (the picture is noise); with real ones the same code runs.
+``llm.prefill`` runs the prompt through ``TorchEngine.prefill``: its KV goes straight into pages
+of the co-located pool and the full pages are published under the call's session; the role
+passes on the chain (``PublishedPrefix.as_dict()``: session, page hashes, tokens), never the KV.
+``dit.denoise`` hands that chain to ``DiTEngine``, which matches it in the same pool (the pages
+are pinned, not copied) and denoises ``STEPS`` Euler steps whose attention reads those pages in
+place, batching the steps of concurrent calls; a ``preview`` PNG streams every ``EVERY`` steps.
+``vae.decode`` turns the final latents into the ``png`` bytes. Both engines take a seat at one
+``KvPoolBarrier`` (``barrier.member(role, pages)``): each proposes after loading its weights and
+the shared pool is sized by the smaller proposal once both did. Without the environment variables
+the roles make tiny random-init checkpoints (the picture is noise); with real ones the same code
+runs.
 """
 
 from __future__ import annotations
@@ -72,110 +75,65 @@ def _dirs() -> tuple[Path, Path]:
     return _SHARED["dirs"]  # type: ignore[no-any-return]
 
 
-def _barrier() -> Any:
-    if "barrier" not in _SHARED:
-        from omniflow.compute._colocate import KvPoolBarrier
+def _barrier(member: str) -> Any:
+    """The LLM's and the DiT's co-located pool barrier (one per process group). A runtime that
+    sets the graph up again in this process (its roles' ``setup()`` run once more) gets a fresh
+    barrier: a member that already took a seat at the current one starts the next."""
+    current = _SHARED.get("barrier")
+    if current is None or member in current.proposals:
         from omniflow.compute._config import ModelConfig
-        from omniflow.compute._kv import kv_slices, layer_names
+        from omniflow.compute._pool import layout_for
 
-        cfg = ModelConfig.from_dir(_dirs()[0])
-        layout = of.PageLayout(
-            sub_names=layer_names(cfg.num_layers),
-            slices=kv_slices(cfg),
-            page_tokens=PAGE_TOKENS,
-            dtype="float32",
-        )
-        _SHARED["barrier"] = KvPoolBarrier("t2i-kv", layout, members=("llm", "dit"))
-    return _SHARED["barrier"]
+        layout = layout_for(ModelConfig.from_dir(_dirs()[0]), page_tokens=PAGE_TOKENS)
+        current = _SHARED["barrier"] = of.KvPoolBarrier("t2i-kv", layout, members=("llm", "dit"))
+    return current
 
 
 class Llm(of.Role):
+    """The prompt's prefill on ``TorchEngine``: its full KV pages are published in the
+    co-located pool under the call's session (nothing is generated)."""
+
     async def setup(self) -> None:
-        from omniflow.compute._loader import load_model
-        from omniflow.compute._tokenizer import Tokenizer
-
         llm_dir = _dirs()[0]
-        self.model = load_model(llm_dir, device="cpu", dtype="float32")
-        self.tokenizer = Tokenizer.from_dir(llm_dir)
-        _barrier().propose("llm", 256)  # weights loaded: propose; the pool comes at first use
+        seat = _barrier("llm").member("llm", pages=256)
+        self.engine = of.TorchEngine(llm_dir, pool=seat, dtype="float32", page_tokens=PAGE_TOKENS)
+        await self.engine.start()  # weights loaded, 256 pages proposed; the pool comes later
 
-    async def _pool(self) -> Any:
-        pool = await _barrier().wait("llm")
-        await pool.open()
-        return pool
+    async def teardown(self) -> None:
+        await self.engine.stop()
 
     @of.interface(inputs_or=[["prompt"]], outputs=["context"])
     async def prefill(self, prompt: str) -> dict[str, Any]:
-        import torch
-
-        from omniflow.compute._kv import layer_names
-        from omniflow.compute._model import ForwardBatch, SeqSlice
-
-        ids = self.tokenizer.encode(prompt)
-        full = len(ids) // PAGE_TOKENS * PAGE_TOKENS
-        if full == 0:  # condition on at least one page: pad short prompts by repeating them
+        tok = self.engine.tokenizer
+        assert tok is not None
+        ids = tok.encode(prompt)
+        if len(ids) < PAGE_TOKENS:  # condition on at least one page: repeat a short prompt
             ids = (ids * PAGE_TOKENS)[:PAGE_TOKENS]
-            full = PAGE_TOKENS
-        pool = await self._pool()
-        owner = of.context().call_id
-        slots = await pool.alloc(owner, -(-len(ids) // PAGE_TOKENS))
-        names = layer_names(self.model.cfg.num_layers)
-        kp = [[pool.view(s, n, "k") for s in slots] for n in names]
-        vp = [[pool.view(s, n, "v") for s in slots] for n in names]
-        batch = ForwardBatch(
-            torch.tensor(ids), torch.arange(len(ids)), [SeqSlice(0, len(ids), kp, vp)]
-        )
-        try:
-            self.model.forward(batch)
-        except BaseException:
-            await pool.release(owner)
-            raise
-        pages = [ids[i : i + PAGE_TOKENS] for i in range(0, full, PAGE_TOKENS)]
-        hashes = of.chain_hashes(pages)
-        session = of.context().session or owner
-        await pool.publish(session, hashes, slots[: len(pages)])
-        await pool.release(owner)  # published pages stay cached; nothing stays pinned
-        return {"context": {"session": session, "hashes": hashes, "tokens": full}}
+        session = of.context().session or of.context().call_id
+        prefix = await self.engine.prefill(of.GenerateRequest(input_ids=ids, session=session))
+        return {"context": prefix.as_dict()}
 
 
 class Dit(of.Role):
-    async def setup(self) -> None:
-        from omniflow.compute._dit import load_dit
+    """Denoising on ``DiTEngine``: concurrent calls' pictures step together; its attention reads
+    the prompt's pages where the LLM wrote them."""
 
-        self.dit = load_dit(_dirs()[1])
-        _barrier().propose("dit", 128)
+    async def setup(self) -> None:
+        seat = _barrier("dit").member("dit", pages=128)
+        self.engine = of.DiTEngine(_dirs()[1], pool=seat, dtype="float32", page_tokens=PAGE_TOKENS)
+        await self.engine.start()
+
+    async def teardown(self) -> None:
+        await self.engine.stop()
 
     @of.interface(inputs_or=[["context"]], outputs=["preview", "latents"])
     async def denoise(self, context: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-
-        from omniflow.compute._kv import layer_names
-
-        pool = await _barrier().wait("dit")
-        owner = of.context().call_id
-        m = await pool.match(context["session"], context["hashes"], owner)
-        names = layer_names(self.dit.cfg.num_layers)
-        kp = [[pool.view(s, n, "k") for s in m.slots] for n in names]
-        vp = [[pool.view(s, n, "v") for s in m.slots] for n in names]
-        try:
-            async for out in self._steps(m, kp, vp):
-                yield out
-        finally:
-            await pool.release(owner)
-
-    async def _steps(self, m: Any, kp: Any, vp: Any) -> AsyncIterator[dict[str, Any]]:
-        import torch
-
-        cfg = self.dit.cfg
-        x = torch.randn(cfg.num_tokens, cfg.latent_dim, generator=torch.Generator().manual_seed(0))
-        ctx_len = m.pages * PAGE_TOKENS
-        for start in range(0, STEPS, EVERY):  # EVERY steps at a time, a preview in between
-            with torch.inference_mode():
-                for s in range(start, min(start + EVERY, STEPS)):
-                    t, t2 = 1.0 - s / STEPS, 1.0 - (s + 1) / STEPS
-                    x = x + (t2 - t) * self.dit.velocity(x, t, kp, vp, ctx_len)
-            if start + EVERY < STEPS:
-                yield {"preview": png_bytes(decode(x))}
-        yield {"latents": x}
+        req = of.DenoiseRequest(context=context, steps=STEPS, preview_every=EVERY, seed=0)
+        async for out in self.engine.generate(req):
+            if out.finished:
+                yield {"latents": out.latents.float().cpu()}
+            else:
+                yield {"preview": png_bytes(decode(out.latents))}
 
 
 def decode(latents: Any, patch: int = 8) -> Any:
@@ -186,7 +144,8 @@ def decode(latents: Any, patch: int = 8) -> Any:
     n, dim = latents.shape
     side = int(n**0.5)
     proj = torch.randn(dim, patch * patch * 3, generator=torch.Generator().manual_seed(7))
-    tiles = torch.sigmoid(latents.float() @ proj / dim**0.5).view(side, side, patch, patch, 3)
+    lat = latents.detach().float().cpu()
+    tiles = torch.sigmoid(lat @ proj / dim**0.5).view(side, side, patch, patch, 3)
     img = tiles.permute(0, 2, 1, 3, 4).reshape(side * patch, side * patch, 3)
     return (img * 255).round().to(torch.uint8).numpy()
 

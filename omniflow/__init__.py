@@ -23,6 +23,7 @@ from omniflow._exceptions import (
     RuntimeClosedError,
     TransportError,
 )
+from omniflow._loader import load_graphs, parse
 from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
@@ -36,20 +37,24 @@ from omniflow.dsl import (
     context,
     interface,
 )
-from omniflow.plan import StaticPlan, load_graphs, parse, parse_graphs
-from omniflow.runtime import Call, Deploy, Frame, Runtime
+from omniflow.plan import StaticPlan, parse_graphs
+from omniflow.runtime import Call, Deploy, Frame, Ray, Runtime
 
 __version__ = "0.1.0"
 
 #: Compute Flow names, imported on first use so ``import omniflow`` does not load torch.
 _COMPUTE = frozenset(
     {
+        "DenoiseOutput",
+        "DenoiseRequest",
+        "DiTEngine",
         "EncoderCache",
         "Engine",
         "EngineError",
         "GenerateRequest",
         "KvPoolBarrier",
         "ModelLoadError",
+        "PublishedPrefix",
         "RequestError",
         "SamplingParams",
         "SkipCopyBuffer",
@@ -78,7 +83,10 @@ __all__ = [
     "Call",
     "DataError",
     "DataTimeoutError",
+    "DenoiseOutput",
+    "DenoiseRequest",
     "Deploy",
+    "DiTEngine",
     "EncoderCache",
     "Engine",
     "EngineError",
@@ -98,6 +106,8 @@ __all__ = [
     "ParamsPool",
     "Placeholder",
     "PoolExhaustedError",
+    "PublishedPrefix",
+    "Ray",
     "RegistryError",
     "RequestError",
     "Role",

@@ -16,9 +16,10 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from omniflow._exceptions import GraphError
+from omniflow._loader import parse
 from omniflow._types import INPUT, OUTPUT
 from omniflow.dsl._role import _All
-from omniflow.plan import StaticPlan, parse
+from omniflow.plan import StaticPlan
 from omniflow.plan._plan import NodeSpec
 
 if TYPE_CHECKING:

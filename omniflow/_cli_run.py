@@ -109,7 +109,7 @@ def _pick(graphs: list[Graph], target: str, name: str | None) -> Graph:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omniflow.plan import load_graphs
+    from omniflow._loader import load_graphs
 
     inputs: dict[str, Any] = {}
     for text in args.inputs:

@@ -5,6 +5,7 @@
     $ OMNIFLOW_API_KEY=s3cret omniflow serve graphs/chat.py --max-inflight 64
     $ omniflow serve graphs/chat.py --host 0.0.0.0 --allowed-host api.example.com \
           --max-body-mb 64 --session-ttl 600 --log-format json
+    $ omniflow serve graphs/t2i.py --placement ray --ray-address auto --deploy deploy.yaml
 
 Prints ``omniflow serve: serving <graphs> on http://HOST:PORT`` on stdout once it accepts
 connections. SIGTERM or Ctrl-C drains (new calls get 503, in-flight ones get
@@ -24,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from omniflow.cli import Subparsers
 
-__all__ = ["register", "run"]
+__all__ = ["placement_from_args", "register", "run"]
 
-#: Named placements (CONTRACT §5); a JSON object is an omniflow.Deploy spec.
-PLACEMENTS = ("inproc", "process")
+#: Named placements (CONTRACT §5, §6); a JSON object is an omniflow.Deploy spec.
+PLACEMENTS = ("inproc", "process", "ray")
 REGISTRY_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -95,7 +96,7 @@ def _placement(text: str) -> str | dict[str, Any]:
         spec = None
     if not isinstance(spec, dict):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: use 'inproc', 'process', or a Deploy spec as a JSON object, e.g. "
+            f"{text!r}: use 'inproc', 'process', 'ray', or a Deploy spec as a JSON object, e.g. "
             '\'{"llm": {"replicas": 2, "process": "gpu0"}}\' (or @deploy.json)'
         )
     return spec
@@ -150,10 +151,25 @@ def register(subparsers: Subparsers) -> None:
         "--placement",
         type=_placement,
         default="inproc",
-        metavar="{inproc,process,JSON}",
+        metavar="{inproc,process,ray,JSON}",
         help="where roles run: inproc (default, in the server process), process (each role in "
-        "a worker process), or an omniflow.Deploy spec as JSON, e.g. "
+        "a worker process), ray (each replica a Ray actor: see --deploy, --ray-address), or an "
+        "omniflow.Deploy spec as JSON, e.g. "
         '\'{"llm": {"replicas": 2, "process": "gpu0"}}\' (@FILE reads it from a file)',
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=None,
+        help="with --placement ray: the Ray cluster to join ('auto', 'ray://host:10001'); "
+        "default: the local one, started if none runs",
+    )
+    p.add_argument(
+        "--deploy",
+        metavar="FILE",
+        default=None,
+        help="with --placement ray: the deploy map, YAML (.yaml/.yml) or JSON, e.g. "
+        "'llm: {replicas: 2, num_gpus: 1}' and 'dit: {layer: 1, colocate: llm}'",
     )
     p.add_argument(
         "--registry", type=_registry, metavar="URL", help="service registry, redis://host:port/db"
@@ -256,12 +272,26 @@ def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
     return hosts + [h.lower() for h in extra]
 
 
+def placement_from_args(args: argparse.Namespace) -> Any:
+    """The Runtime's ``placement`` for ``--placement`` (with ``--deploy``, ``--ray-address``)."""
+    from omniflow._exceptions import OmniflowError
+    from omniflow.runtime import Deploy, Ray
+
+    if args.placement == "ray":
+        from omniflow.runtime._ray_plan import load_deploy
+
+        deploy = load_deploy(args.deploy) if args.deploy is not None else {}
+        return Ray(deploy, address=args.ray_address)
+    if args.deploy is not None or args.ray_address is not None:
+        raise OmniflowError("--deploy and --ray-address go with --placement ray")
+    return Deploy(args.placement) if isinstance(args.placement, dict) else args.placement
+
+
 def run(args: argparse.Namespace) -> int:
-    from omniflow.runtime import Deploy
     from omniflow.serve import create_app, serve
     from omniflow.serve._limits import Limits
 
-    placement = Deploy(args.placement) if isinstance(args.placement, dict) else args.placement
+    placement = placement_from_args(args)
     if args.cluster_key_file is not None:
         from omniflow.transport._auth import KEY_ENV, load_key_file
 

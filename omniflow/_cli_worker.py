@@ -59,7 +59,7 @@ def register(subparsers: Subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from omniflow._exceptions import OmniflowError
-    from omniflow.runtime._worker import run_worker
+    from omniflow.runtime._worker import Worker, run_worker
     from omniflow.transport._auth import load_key_file, resolve_key
 
     if args.bind is None and args.registry is None:
@@ -72,14 +72,16 @@ def _run(args: argparse.Namespace) -> int:
     else:
         key = resolve_key(generate=False)[0]  # a worker cannot make one up: fronts must agree
     return run_worker(
-        list(args.graphs),
-        list(args.role),
-        address,
-        replica_id=args.replica_id,
-        registry=args.registry,
-        heartbeat_interval=args.heartbeat,
-        drain_timeout=args.drain,
-        parent_pid=args.parent_pid,
-        cluster_key=key,
-        owner=args.owner,
+        lambda: Worker(
+            list(args.graphs),
+            list(args.role),
+            address,
+            replica_id=args.replica_id,
+            registry=args.registry,
+            heartbeat_interval=args.heartbeat,
+            drain_timeout=args.drain,
+            parent_pid=args.parent_pid,
+            cluster_key=key,
+            owner=args.owner,
+        )
     )

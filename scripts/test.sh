@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one test command (README): builds .venv if needed, installs omniflow with its dev extras
-# and the Debian packages the tests use, then runs the whole suite. Exit status is pytest's,
-# except that "no tests collected" (exit 5) is a failure.
+# and the Debian packages the tests use, then runs the whole suite (slow tests included) under
+# coverage, worker subprocesses included, and enforces the coverage gates in pyproject
+# ([[tool.omniflow.coverage-gate]], checked by scripts/coverage_gate.py). With arguments it
+# runs just `pytest ARGS` (no coverage, no gates): `bash scripts/test.sh -m "not slow"` is the
+# inner loop. Exit status is pytest's, then the gates'; "no tests collected" (exit 5) fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,8 +45,19 @@ fi
 .venv/bin/python -m pip check >/dev/null 2>&1 || true
 
 set +e
-.venv/bin/python -m pytest "$@"
-rc=$?
+if [ "$#" -eq 0 ]; then
+  rm -f .coverage .coverage.*
+  .venv/bin/python -m pytest --cov --cov-report= --durations=20
+  rc=$?
+  if [ "$rc" = 0 ] || [ "$rc" = 1 ]; then  # the suite ran: the gates say their part too
+    .venv/bin/python scripts/coverage_gate.py
+    gate=$?
+    [ "$rc" = 0 ] && rc=$gate
+  fi
+else
+  .venv/bin/python -m pytest "$@"
+  rc=$?
+fi
 set -e
 if [ "$rc" = 5 ]; then
   echo "error: pytest collected no tests" >&2

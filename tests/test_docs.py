@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from omniflow._cli_plan import render_dot
-from omniflow.plan import parse
+from omniflow._loader import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,6 +19,7 @@ CONTRACT_NAMES = (
     "InputError",
     "NodeError",
     "Placeholder",
+    "Ray",
     "Role",
     "RoleRef",
     "Runtime",
@@ -69,3 +70,13 @@ def test_exceptions_share_one_root() -> None:
 
 def test_version() -> None:
     assert isinstance(omniflow.__version__, str) and omniflow.__version__
+
+
+def test_import_omniflow_does_not_import_ray() -> None:
+    """Ray is an optional extra: ``of.Ray`` is declared without importing ray."""
+    import subprocess
+    import sys
+
+    code = "import sys, omniflow as of; of.Ray({}); print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 import omniflow as of
-from omniflow.plan import load_graphs
+from omniflow._loader import load_graphs
 
 
 @pytest.mark.timeout(300)
@@ -17,22 +17,31 @@ def test_t2i_unified_writes_a_valid_png() -> None:
     graph = load_graphs("graphs/t2i_unified.py")[0]
     mod = __import__("sys").modules[type(graph.roles["llm"]).__module__]
 
-    async def go() -> tuple[list[str], bytes, dict[str, int]]:
+    async def go() -> tuple[list[str], list[bytes], dict[str, int]]:
         async with of.Runtime(graph) as rt:
-            fields, png = [], b""
+            llm, dit = graph.roles["llm"].engine, graph.roles["dit"].engine
+            assert isinstance(llm, of.TorchEngine) and isinstance(dit, of.DiTEngine)
+            fields, pngs = [], []
             for _ in range(2):  # a second call reuses the pool and leaks no pins
                 call = rt.call("t2i_unified", {"prompt": "a red cube on a blue table"})
                 async for frame in call:
                     fields.append(frame.field)
                     if frame.field == "png":
-                        png = frame.value
+                        pngs.append(frame.value)
                 assert call.status == "ok", call.errors
-            pool = mod._barrier().pool
-            return fields, png, pool.stats()
+            pool = mod._SHARED["barrier"].pool
+            assert llm.kv_pool is pool and dit.kv_pool is pool  # one co-located pool
+            assert dit.statistics()["steps"] == 2 * mod.STEPS
+            stats = pool.stats()
+        assert pool.closed  # both engines stopped at teardown: the co-located pool is freed
+        return fields, pngs, stats
 
-    fields, png, stats = asyncio.run(go())
+    fields, pngs, stats = asyncio.run(go())
     assert fields == ["preview", "png"] * 2
     assert stats["pinned"] == 0
+    assert stats["bytes_moved"] == 0  # the DiT read the LLM's pages where they were
+    assert pngs[0] == pngs[1]  # same prompt, same seed: the same picture
+    png = pngs[1]
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks = 8, {}
     while pos < len(png):

@@ -2,6 +2,7 @@
 
 >>> # barrier = KvPoolBarrier("kv", layout, members=("llm", "dit"))
 >>> # pool = await barrier.join("llm", pages=pages_that_fit(layout, free_bytes()))
+>>> # engine = TorchEngine(llm_dir, pool=barrier.member("llm", pages=300))  # or let an engine join
 
 Roles placed in one process group on one node (``of.Deploy({... "process": "gpu0"})``) share one
 ``ParamsPool``. Each role proposes how many L1 pages it thinks fit *after* it loaded its weights
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omniflow.compute._errors import EngineError
 from omniflow.data.kv import PageLayout, ParamsPool
 
-__all__ = ["KvPoolBarrier", "pages_that_fit"]
+__all__ = ["KvPoolBarrier", "PoolSeat", "pages_that_fit"]
 
 
 def pages_that_fit(layout: PageLayout, free_bytes: int, utilization: float = 0.9) -> int:
@@ -101,6 +103,7 @@ class KvPoolBarrier:
         self._capacity = dict(capacity or {"l2": 0, "l3": 0})
         self._pool_kwargs = pool_kwargs
         self._done: asyncio.Future[ParamsPool] | None = None
+        self._left: set[str] = set()  #: members done with the pool (stopped or failed)
         self.pool: ParamsPool | None = None  #: the shared pool once decided
 
     def _future(self) -> asyncio.Future[ParamsPool]:
@@ -143,8 +146,26 @@ class KvPoolBarrier:
         self.propose(member, pages)
         return await self.wait(member, timeout=timeout)
 
+    def member(self, name: str, pages: int) -> PoolSeat:
+        """A seat to hand an engine as ``pool=``: the engine proposes ``pages`` once its weights
+        are loaded (``start()`` returns then) and serves requests once the pool is decided."""
+        if name not in self._decision.members:
+            raise EngineError(
+                f"kv_pool_barrier '{self.name}': role {name!r} is not co-located here; members "
+                f"are {sorted(self._decision.members)}"
+            )
+        return PoolSeat(self, name, pages)
+
+    async def leave(self, member: str) -> None:
+        """``member`` is done with the pool (its engine stopped); the last member to leave
+        closes the pool, so a co-located pool lives exactly as long as its roles."""
+        self._left.add(member)
+        if self._left >= self._decision.members and self.pool is not None:
+            await self.pool.aclose()
+
     def abort(self, member: str, exc: BaseException) -> None:
         """``member`` will never join (its weights failed to load): fail every waiter now."""
+        self._left.add(member)
         self._decision.failed = (member, exc)
         done = self._future()
         if not done.done():
@@ -152,3 +173,24 @@ class KvPoolBarrier:
                 EngineError(f"kv_pool_barrier '{self.name}': role {member!r} failed: {exc}")
             )
             done.exception()  # retrieved here; waiters get it re-raised
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSeat:
+    """One member's place at a ``KvPoolBarrier``, handed to an engine as its ``pool``."""
+
+    barrier: KvPoolBarrier  #: the co-located roles' barrier
+    member: str  #: this role's name among the barrier's members
+    pages: int  #: the L1 pages this role proposes (after its weights are loaded)
+
+    def propose(self) -> None:
+        self.barrier.propose(self.member, self.pages)
+
+    async def wait(self) -> ParamsPool:
+        return await self.barrier.wait(self.member)
+
+    def abort(self, exc: BaseException) -> None:
+        self.barrier.abort(self.member, exc)
+
+    async def leave(self) -> None:
+        await self.barrier.leave(self.member)

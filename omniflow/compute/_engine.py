@@ -1,4 +1,4 @@
-"""``Engine`` (the interface) and ``TorchEngine`` (our own engine), the async shell.
+"""``Engine`` (the interface) and ``TorchEngine`` (our own LLM engine), the async shell.
 
 >>> import omniflow as of
 >>> async def main(model_dir):
@@ -7,30 +7,32 @@
 ...         return [out.token_id async for out in engine.generate(req)]
 
 The decisions are made by the pure ``Scheduler``; this module only carries them out: it admits
-requests (tokenize, build on the session's history, match the cached prefix in the pool), runs
-one step at a time on a dedicated thread (allocating pages first), turns sampled tokens into
-``StepOutput``s, and at the end publishes the sequence's full pages and releases its slots.
+requests (tokenize, build on the session's history, match the cached prefix in the pool), plans
+each step (allocating pages first), turns sampled tokens into ``StepOutput``s, and at the end
+publishes the sequence's full pages. Loading, the pool and the step loop itself (one step at a
+time on a dedicated thread, releases between steps) are ``EngineBase``'s, shared with
+``DiTEngine``.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
-import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from omniflow._exceptions import PoolExhaustedError
+from omniflow.compute._base import EngineBase
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import EngineError, RequestError
 from omniflow.compute._inputs import build_inputs
 from omniflow.compute._kv import KvCache, PagePool, page_keys
 from omniflow.compute._loader import load_model
-from omniflow.compute._request import GenerateRequest, StepOutput
+from omniflow.compute._request import GenerateRequest, SamplingParams, StepOutput
 from omniflow.compute._runner import ModelRunner
 from omniflow.compute._sampling import make_generator
 from omniflow.compute._scheduler import Scheduler, StepPlan
@@ -39,7 +41,7 @@ from omniflow.compute._session import SessionHistory
 from omniflow.compute._stream import Stream
 from omniflow.compute._tokenizer import Tokenizer
 
-__all__ = ["Engine", "TorchEngine"]
+__all__ = ["Engine", "PublishedPrefix", "TorchEngine"]
 
 
 class Engine(abc.ABC):
@@ -61,7 +63,7 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Abort everything and free the engine's resources."""
 
-    async def __aenter__(self) -> Engine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -69,12 +71,31 @@ class Engine(abc.ABC):
         await self.stop()
 
 
-class TorchEngine(Engine):
+@dataclass(frozen=True, slots=True)
+class PublishedPrefix:
+    """Where a prefill left a prompt's KV: the chain of its full pages in the pool.
+
+    ``DiTEngine`` matches ``hashes`` under ``session`` and reads those pages in place."""
+
+    session: str | None  #: the chain's session (None: public)
+    hashes: tuple[str, ...]  #: ``chain_hashes`` of the full pages, in order
+    tokens: int  #: positions those pages hold (pages * page_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, for a frame between roles (``PublishedPrefix(**d)`` reads it back)."""
+        return {"session": self.session, "hashes": list(self.hashes), "tokens": self.tokens}
+
+
+class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
     """A continuous-batching engine for Llama-family checkpoints, KV cache in a ``ParamsPool``.
 
     ``pool``: a ``ParamsPool``, the name of one declared in the graph (looked up in the current
-    role's context at ``start()``), or None for a private pool sized by ``pool_pages``.
+    role's context at ``start()``), a ``KvPoolBarrier.member(...)`` seat, or None for a private
+    pool sized by ``pool_pages``.
     """
+
+    architectures = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
+    _sched: Scheduler  #: continuous batching (pure), once started
 
     def __init__(
         self,
@@ -89,26 +110,19 @@ class TorchEngine(Engine):
         pool_pages: int = 4096,
         max_sessions: int = 1024,
     ) -> None:
-        self.model_dir = Path(model_dir)  #: the Hugging Face-format directory
-        self.max_batch = max_batch  #: sequences decoded together
+        super().__init__(
+            model_dir,
+            pool=pool,
+            max_batch=max_batch,
+            device=device,
+            dtype=dtype,
+            page_tokens=page_tokens,
+            pool_pages=pool_pages,
+        )
         self.max_step_tokens = max_step_tokens  #: tokens per step (prefill chunk budget)
-        self.device, self.dtype = device, dtype  #: as requested ("auto" resolved at start)
-        self.page_tokens = page_tokens  #: tokens per KV page (a private pool's layout)
-        self.pool_pages = pool_pages  #: L1 pages of a private pool
-        self._pool_arg = pool
-        self.kv_pool: PagePool | None = None  #: the ParamsPool in use once started
         self.config: ModelConfig | None = None  #: the model's config once started
         self.tokenizer: Tokenizer | None = None  #: None when the directory has no tokenizer.json
         self.history = SessionHistory(max_sessions)  #: Layer 1 of prefix reuse
-        self._streams: dict[str, Stream] = {}
-        self._release: list[Stream] = []  #: finished/aborted, slots to publish/free
-        self._inflight: set[str] = set()  #: request ids in the running step
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._start_lock = asyncio.Lock()
-        self._stopped = False
-        self._own_pool = False  #: the engine made its pool (and closes it at stop)
 
     @staticmethod
     def pool(
@@ -128,92 +142,60 @@ class TorchEngine(Engine):
             cfg, name, capacity=capacity, page_tokens=page_tokens, dtype=dtype, **kwargs
         )
 
-    # ---- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        async with self._start_lock:
-            if self._task is not None:
-                return
-            if self._stopped:
-                raise EngineError(f"engine for {str(self.model_dir)!r} was stopped; make a new one")
-            loop = asyncio.get_running_loop()
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="omniflow-engine")
-            model = await loop.run_in_executor(
-                self._executor,
-                lambda: load_model(self.model_dir, device=self.device, dtype=self.dtype),
-            )
-            self.config = model.cfg
-            if (self.model_dir / "tokenizer.json").exists():
-                self.tokenizer = Tokenizer.from_dir(self.model_dir)
-            from omniflow.compute._pool import resolve_pool
+    # ---- EngineBase hooks ------------------------------------------------------------------
+    def _load_model(self) -> Any:
+        return load_model(self.model_dir, device=self.device, dtype=self.dtype)
 
-            self.kv_pool = await resolve_pool(self, model)
-            self.page_tokens = _page_tokens(self.kv_pool, self.page_tokens)
-            self._kv = KvCache(self.kv_pool, model.cfg.num_layers, self.page_tokens)
-            self._runner = ModelRunner(model, self._kv)
-            self._sched = Scheduler(max_batch=self.max_batch, max_step_tokens=self.max_step_tokens)
-            self._task = loop.create_task(self._run(), name="omniflow-engine-loop")
-            self._task.add_done_callback(self._loop_ended)
+    def _loaded(self, model: Any) -> None:
+        self.config = model.cfg
+        if (self.model_dir / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer.from_dir(self.model_dir)
 
-    def _loop_ended(self, task: asyncio.Task[None]) -> None:
-        """If the step loop dies, every waiting caller gets the error instead of hanging."""
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = EngineError(f"the engine's step loop failed: {task.exception()!r}")
-        exc.__cause__ = task.exception()
-        self._task = None
-        for stream in list(self._streams.values()):
-            stream.fail(exc)
-            stream.released.set()
+    def _build(self, model: Any, pool: PagePool) -> Scheduler:
+        self._kv = KvCache(pool, model.cfg.num_layers, self.page_tokens)
+        self._runner = ModelRunner(model, self._kv)
+        self._sched = sched = Scheduler(
+            max_batch=self.max_batch, max_step_tokens=self.max_step_tokens
+        )
+        return sched
 
-    async def stop(self) -> None:
-        self._stopped = True
-        task, self._task = self._task, None
-        for stream in list(self._streams.values()):
-            stream.fail(EngineError("the engine was stopped"))
-            self._cancel(stream)
-        self._wake.set()
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await self._drain_releases()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        if self._own_pool and self.kv_pool is not None:
-            await self.kv_pool.aclose()  # type: ignore[attr-defined]
+    def _plan_ids(self, plan: StepPlan) -> set[str]:
+        return {s.request_id for s, _ in plan.items}
+
+    def _plan_seqs(self, plan: StepPlan) -> list[Sequence]:
+        return [s for s, _ in plan.items]
+
+    def _step(self, plan: StepPlan) -> list[int | None]:
+        return self._runner.step(plan)
+
+    def _detach(self, request_id: str) -> None:
+        self._runner.detach(request_id)
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        if self._task is None:
-            raise EngineError("the engine is not started; await engine.start() first")
-        stream = await self._admit(request)
+    async def prefill(self, request: GenerateRequest) -> PublishedPrefix:
+        """Compute the prompt's KV into the pool and publish its full pages under
+        ``request.session``: a role that conditions on the prompt (``DiTEngine``) matches the
+        returned chain and reads those pages where they are. Only full pages are published."""
+        if request.session is None:
+            raise RequestError(
+                "prefill publishes the prompt's pages under a session; give session=",
+                field="session",
+            )
+        one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        stream = await self._submit(dataclasses.replace(request, sampling=one))
         try:
-            while True:
-                out = await stream.next()
-                yield out
-                if out.finished:
-                    return
+            while not (await stream.next()).finished:
+                pass
         finally:
             if not stream.closed:
                 self._cancel(stream)
                 self._wake.set()
-            # Leaving the iterator returns only once the request's slots are back in the pool.
             await stream.released.wait()
-
-    def abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.fail(EngineError(f"request {request_id!r} was aborted"))
-            self._cancel(stream)
-            self._wake.set()
-
-    def _cancel(self, stream: Stream) -> None:
-        if stream.closed:
-            return
-        stream.closed = True
-        stream.seq.finish_reason = stream.seq.finish_reason or "abort"
-        self._sched.remove(stream.seq)
-        self._release.append(stream)
+        seq = stream.seq
+        full = min(seq.prompt_len, seq.num_computed) // self.page_tokens
+        full = min(full, len(seq.slots))
+        hashes = _chain(page_keys(seq, full, self.page_tokens)) if full else []
+        return PublishedPrefix(request.session, tuple(hashes), full * self.page_tokens)
 
     async def _admit(self, request: GenerateRequest) -> Stream:
         assert self.config is not None and self.kv_pool is not None
@@ -268,52 +250,28 @@ class TorchEngine(Engine):
         seq.slots = list(match.slots[:pages])
         seq.num_computed = seq.cached_tokens = pages * self.page_tokens
 
-    # ---- the step loop ---------------------------------------------------------------------
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._drain_releases()
-            if not self._sched.has_work():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            plan = await self._allocate(self._sched.schedule())
-            if not plan.items:
-                continue
-            self._inflight = {s.request_id for s, _ in plan.items}
-            try:
-                tokens = await loop.run_in_executor(self._executor, self._runner.step, plan)
-            except Exception as exc:  # a model error fails the step's requests, not the engine
-                for seq, _ in plan.items:
-                    self._fail(seq, EngineError(f"forward pass failed: {exc!r}"))
-                continue
-            finally:
-                self._inflight = set()
-            for (seq, n), token in zip(plan.items, tokens, strict=True):
-                if seq.status is SeqStatus.FINISHED:
-                    continue  # aborted while the step ran
-                seq.num_computed += n
-                if token is not None:
-                    self._on_token(seq, token)
+    # ---- the step loop (EngineBase._run carries these out) --------------------------------
+    async def _plan(self) -> StepPlan | None:
+        plan = await self._allocate(self._sched.schedule())
+        return plan if plan.items else None
+
+    def _apply(self, plan: StepPlan, tokens: list[int | None]) -> None:
+        for (seq, n), token in zip(plan.items, tokens, strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue  # aborted while the step ran
+            seq.num_computed += n
+            if token is not None:
+                self._on_token(seq, token)
 
     def _on_token(self, seq: Sequence, token: int) -> None:
         stream = self._streams[seq.request_id]
         reason = seq.append(token)
         out = stream.on_token(token, reason)
         if out.finished:
-            self._sched.remove(seq)
             seq.finish_reason = out.finish_reason
-            stream.closed = True
-            stream.final = out
-            self._release.append(stream)
+            self._finish(stream, out)
         else:
             stream.push(out)
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        stream = self._streams.get(seq.request_id)
-        if stream is not None:
-            stream.fail(exc)
-            self._cancel(stream)
 
     async def _allocate(self, plan: StepPlan) -> StepPlan:
         """Get the pages the plan needs; a sequence the pool cannot fit is preempted."""
@@ -351,46 +309,24 @@ class TorchEngine(Engine):
         seq.slots, seq.num_computed = [], 0
         self._sched.requeue(seq)
 
-    async def _drain_releases(self) -> None:
-        """Publish finished sequences' full pages, free every released sequence's slots."""
+    async def _on_release(self, stream: Stream) -> None:
+        """A finished sequence's full pages become the session's chain; history recorded."""
         assert self.kv_pool is not None
-        while self._release:
-            stream = self._release.pop(0)
-            seq = stream.seq
-            if seq.request_id in self._inflight:  # pragma: no cover - loop is between steps
-                self._release.append(stream)
-                return
-            try:
-                if stream.final is not None and stream.session is not None:
-                    full = min(seq.num_computed // self.page_tokens, len(seq.slots))
-                    if full:
-                        hashes = _chain(page_keys(seq, full, self.page_tokens))
-                        await self.kv_pool.publish(stream.session, hashes, seq.slots[:full])
-                    self.history.record(stream.session, seq.tokens, seq.embeds)
-            finally:
-                await self.kv_pool.release(seq.request_id)
-                self._runner.detach(seq.request_id)
-                self._streams.pop(seq.request_id, None)
-                if stream.final is not None:
-                    stream.push(stream.final)
-                stream.released.set()
+        seq = stream.seq
+        if stream.session is None:
+            return
+        full = min(seq.num_computed // self.page_tokens, len(seq.slots))
+        if full:
+            hashes = _chain(page_keys(seq, full, self.page_tokens))
+            await self.kv_pool.publish(stream.session, hashes, seq.slots[:full])
+        self.history.record(stream.session, seq.tokens, seq.embeds)
 
     def statistics(self) -> dict[str, int]:
         """Running/waiting sequences and sessions held (observability)."""
-        sched = getattr(self, "_sched", None)
-        return {
-            "running": len(sched.running) if sched else 0,
-            "waiting": len(sched.waiting) if sched else 0,
-            "sessions": len(self.history),
-        }
+        return {**self._running_counts(), "sessions": len(self.history)}
 
 
 def _chain(keys: list[list[int] | bytes]) -> list[str]:
     from omniflow.compute._pool import chain_hashes
 
     return chain_hashes(keys)
-
-
-def _page_tokens(pool: Any, default: int) -> int:
-    layout = getattr(pool, "layout", None)
-    return int(getattr(layout, "page_tokens", default))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -38,8 +39,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """``"auto"``: the checkpoint's dtype on cuda, float32 on cpu (half matmuls are slow there)."""
+class _SavedDtype(Protocol):
+    @property
+    def torch_dtype(self) -> str | None: ...
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: _SavedDtype, device: torch.device) -> torch.dtype:
+    """``"auto"``: the checkpoint's dtype on cuda, float32 on cpu (half matmuls are slow there);
+    ``cfg`` is any config with a ``torch_dtype`` (the LLM's ``ModelConfig``, ``DitConfig``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

@@ -13,10 +13,9 @@ from omniflow.compute._errors import EngineError
 from omniflow.compute._kv import PagePool, kv_slices, layer_names
 
 if TYPE_CHECKING:
-    from omniflow.compute._engine import TorchEngine
-    from omniflow.compute._model import LlamaModel
+    from omniflow.compute._base import EngineBase
 
-__all__ = ["chain_hashes", "pool_for", "resolve_pool"]
+__all__ = ["chain_hashes", "layout_for", "pool_for", "resolve_pool"]
 
 
 def chain_hashes(pages: Sequence[list[int] | bytes]) -> list[str]:
@@ -36,28 +35,39 @@ def pool_for(
     **kwargs: Any,
 ) -> Any:
     """A ``ParamsPool`` laid out for ``cfg``: one sub_name per layer, slices ``k`` and ``v``."""
-    from omniflow.data.kv import PageLayout, ParamsPool
+    from omniflow.data.kv import ParamsPool
 
-    layout = PageLayout(
+    layout = layout_for(cfg, page_tokens=page_tokens, dtype=dtype)
+    return ParamsPool(name, layout, capacity or {"l1": 4096, "l2": 0, "l3": 0}, **kwargs)
+
+
+def layout_for(cfg: ModelConfig, *, page_tokens: int = 16, dtype: str = "float32") -> Any:
+    """The ``PageLayout`` of ``cfg``'s KV pages (e.g. for a co-located ``KvPoolBarrier``)."""
+    from omniflow.data.kv import PageLayout
+
+    return PageLayout(
         sub_names=layer_names(cfg.num_layers),
         slices=kv_slices(cfg),
         page_tokens=page_tokens,
         dtype=dtype,
     )
-    return ParamsPool(name, layout, capacity or {"l1": 4096, "l2": 0, "l3": 0}, **kwargs)
 
 
-async def resolve_pool(engine: TorchEngine, model: LlamaModel) -> PagePool:
-    """The engine's pool: the object given, the graph's pool of that name, or a private one."""
+async def resolve_pool(engine: EngineBase[Any, Any, Any], model: Any) -> PagePool:
+    """The engine's pool: the object given, the graph's pool of that name, or a private one.
+
+    ``model`` is any of our models: ``cfg`` (``num_layers``, ``num_kv_heads``, ``head_dim``),
+    ``device`` and ``dtype`` say which layout its KV pages need."""
     arg: Any = engine._pool_arg
+    kind = type(engine).__name__
     if isinstance(arg, str):
-        import omniflow as of
+        from omniflow.dsl import context  # lazy: compute imports without a role running
 
         try:
-            pools = of.context().pools
+            pools = context().pools
         except Exception as exc:
             raise EngineError(
-                f"TorchEngine(pool={arg!r}) looks the pool up in the role's context; start the "
+                f"{kind}(pool={arg!r}) looks the pool up in the role's context; start the "
                 "engine from the role's setup() or pass the ParamsPool object itself"
             ) from exc
         if arg not in pools:
@@ -85,7 +95,7 @@ async def resolve_pool(engine: TorchEngine, model: LlamaModel) -> PagePool:
     return pool
 
 
-def _check_layout(pool: Any, model: LlamaModel) -> None:
+def _check_layout(pool: Any, model: Any) -> None:
     layout = getattr(pool, "layout", None)
     if layout is None:
         return

@@ -24,13 +24,13 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
 from omniflow.data._attach import PoolAttachment
 from omniflow.data._handle import BlockHandle
 from omniflow.data._pool import SharedBufferPool
+from omniflow.data._ref import CONNECTORS, DataRef
 from omniflow.transport._auth import Opener, Sealer, WireStats
 from omniflow.transport._protocol import (
     ProtocolError,
@@ -50,11 +50,22 @@ __all__ = [
     "ShmConnector",
     "ZmqConnector",
     "choose_connector",
+    "set_node_id",
 ]
 
+#: This process's node identity: refs it produces carry it, and a ref from another node is
+#: pulled (zmq) rather than mapped (shm). The host name, unless a cluster manager names nodes
+#: (``set_node_id``: a Ray actor takes its Ray node id, so simulated nodes on one machine
+#: behave like separate hosts).
 HOST = socket.gethostname()
-#: Connector names an edge may ask for.
-CONNECTORS = ("auto", "inproc", "shm", "zmq")
+
+
+def set_node_id(node_id: str) -> None:
+    """Name the node this process runs on (call before its data plane produces refs)."""
+    global HOST
+    HOST = node_id
+
+
 #: Values of at least this many bytes go through the data plane (256 KiB).
 DEFAULT_THRESHOLD = 256 * 1024
 #: Default capacity of a process's pool (fixed; a value that does not fit rides inline).
@@ -76,26 +87,6 @@ def default_capacity() -> int:
     if value <= 0:
         raise DataError(f"{POOL_BYTES_ENV}={raw!r} must be a positive number of bytes")
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class DataRef:
-    """What a control message carries instead of a big value."""
-
-    #: The block in the producer's pool (dtype and shape included).
-    handle: BlockHandle
-    #: Host and process of the producer (connector choice: inproc / shm / zmq).
-    host: str
-    pid: int
-    #: Where the producer answers pulls (its worker address); "" for the front.
-    source: str
-    #: (from node, call id, field, payload key): the RFC's key, minus the consumer (one block
-    #: serves every consumer edge; each edge holds a reference).
-    key: tuple[str, str, str, str]
-
-    @property
-    def nbytes(self) -> int:
-        return self.handle.nbytes
 
 
 def choose_connector(ref: DataRef, wanted: str = "auto") -> str:
@@ -141,6 +132,9 @@ class ShmConnector(Connector):
         self._pool: SharedBufferPool | None = None
         self._attached: dict[str, PoolAttachment] = {}
         self.source = source
+        #: Node identity of the refs put here (None: this process's ``HOST``); a front placed
+        #: by Ray names the Ray node it runs on, so same-node actors map its blocks.
+        self.host: str | None = None
 
     @property
     def pool(self) -> SharedBufferPool:
@@ -160,7 +154,7 @@ class ShmConnector(Connector):
             handle = pool.put_tensor(value, owner=request_id)
         else:
             handle = pool.put_array(value, owner=request_id)
-        return DataRef(handle, HOST, os.getpid(), self.source,
+        return DataRef(handle, self.host or HOST, os.getpid(), self.source,
                        (from_node, request_id, to_node, payload_key))  # fmt: skip
 
     def read(self, ref: DataRef, *, copy: bool) -> Any:
@@ -443,15 +437,6 @@ def _lost_error(address: str, ref: DataRef) -> DataError:
     )
 
 
-def refs_in(value: Any) -> list[DataRef]:
-    """DataRefs in a kwargs value (the value itself, or the items of a collected list)."""
-    if type(value) is DataRef:
-        return [value]
-    if type(value) is list or type(value) is tuple:
-        return [v for v in value if type(v) is DataRef]
-    return []
-
-
 class PullClient:
     """Pulls blocks from producers on other hosts over the control transport (DEALER side).
 
@@ -522,7 +507,9 @@ class PullClient:
             if inner is None:
                 continue  # counted by the opener
             try:
-                msg = decode_msg(inner)
+                # The block's bytes stay a view of the received frame: decode_block makes the
+                # one private copy (an owned decode here would copy 64 MiB twice).
+                msg = decode_msg(inner, owned=False)
             except ProtocolError as exc:
                 self._opener.stats.drop(exc.reason)
                 continue

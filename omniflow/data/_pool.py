@@ -17,6 +17,8 @@ control messages carry ``BlockHandle``s, and any process on the host maps the sl
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 import threading
 import warnings
@@ -35,11 +37,28 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "SharedBufferPool"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "SEGMENT_PREFIX_ENV", "SharedBufferPool", "segment_prefix"]
 
 #: Default allocation unit: large enough that a 512 MB tensor is 8192 chunks, small enough that a
 #: short prompt's embeddings waste little.
 DEFAULT_CHUNK_SIZE = 64 * 1024
+
+#: Names the prefix of new pools' segment names (``<prefix>_<12 hex>``; default ``omniflow``).
+#: Inherited by spawned workers, so a test run (or one deployment among several on a host) can
+#: tell its own ``/dev/shm`` segments from everyone else's.
+SEGMENT_PREFIX_ENV = "OMNIFLOW_SHM_PREFIX"
+_PREFIX = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def segment_prefix() -> str:
+    """The prefix of new segment names: ``$OMNIFLOW_SHM_PREFIX`` or ``omniflow``."""
+    prefix = os.environ.get(SEGMENT_PREFIX_ENV, "omniflow")
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError(
+            f"{SEGMENT_PREFIX_ENV}={prefix!r} is not a segment name prefix: use 1-64 letters, "
+            "digits or '_' (or unset it for the default 'omniflow')"
+        )
+    return prefix
 
 
 class SharedBufferPool(_BlockIO):
@@ -55,7 +74,7 @@ class SharedBufferPool(_BlockIO):
             raise ValueError(f"need capacity > 0 and chunk_size > 0, got {capacity}, {chunk_size}")
         nchunks = -(-capacity // chunk_size)
         #: Name of the shared-memory segment; handles carry it.
-        self.name = name or f"omniflow_{secrets.token_hex(6)}"
+        self.name = name or f"{segment_prefix()}_{secrets.token_hex(6)}"
         #: OPEN until ``close()``.
         self.state = PoolState.OPEN
         self._core = PoolCore(nchunks * chunk_size, chunk_size, name=self.name)

@@ -1,6 +1,7 @@
-"""The compiler from declarations to the static plan. Pure Python, no I/O beyond imports."""
+"""Static planning: Graph declarations -> StaticPlan. Compiles only (no file is imported here;
+``omniflow.load_graphs`` / ``omniflow.parse(path)`` load graph files, in ``omniflow._loader``)."""
 
-from omniflow.plan._parser import load_graphs, parse, parse_graphs
+from omniflow.plan._parser import parse_graphs
 from omniflow.plan._plan import NodeSpec, StaticPlan
 
-__all__ = ["NodeSpec", "StaticPlan", "load_graphs", "parse", "parse_graphs"]
+__all__ = ["NodeSpec", "StaticPlan", "parse_graphs"]

@@ -39,12 +39,10 @@ def dominators(succ: Mapping[str, Iterable[str]], entry: str) -> dict[str, froze
     exact on graphs with cycles.
     """
     order = bfs_order(succ, entry)
-    live = set(order)
     pred: dict[str, set[str]] = {n: set() for n in order}
     for n in order:
-        for m in succ.get(n, ()):
-            if m in live:
-                pred[m].add(n)
+        for m in succ.get(n, ()):  # a successor of a reachable node is reachable: in pred
+            pred[m].add(n)
     everything = frozenset(order)
     dom: dict[str, frozenset[str]] = {n: everything for n in order}
     dom[entry] = frozenset({entry})

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from omniflow._exceptions import NodeError
-from omniflow.data._plane import DataRef
+from omniflow.data._ref import DataRef
 from omniflow.runtime._buckets import (
     Bucket,
     BucketSpec,

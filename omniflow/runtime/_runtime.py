@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -40,9 +40,13 @@ from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
+from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
+from omniflow.runtime._launch import Launcher
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
-from omniflow.runtime._remote import RemoteRoles, plan_processes, resolve_connectors
+from omniflow.runtime._placement import plan_processes, resolve_connectors
+from omniflow.runtime._ray_plan import Ray
+from omniflow.runtime._remote import RemoteRoles
 from omniflow.runtime._stimuli import (
     NOTHING,
     SETTLE,
@@ -99,36 +103,6 @@ def _context_of(call: Call, act: Activation) -> ActivationContext:
     )
 
 
-class _Continue:
-    """Await an already-started coroutine that is suspended on ``fut`` (eager start's tail)."""
-
-    __slots__ = ("coro", "fut")
-
-    def __init__(self, coro: Any, fut: Any) -> None:
-        self.coro = coro
-        self.fut = fut
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        coro, fut = self.coro, self.fut
-        while True:
-            try:
-                yield fut
-            except BaseException as exc:  # thrown in by our task: cancellation
-                try:
-                    fut = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-                continue
-            try:
-                fut = coro.send(None)
-            except StopIteration as stop:
-                return stop.value
-
-
-async def _await_continue(cont: _Continue) -> Any:
-    return await cont
-
-
 class Runtime:
     """Runs graphs in-process (the embedded default).
 
@@ -138,7 +112,8 @@ class Runtime:
 
     ``placement`` selects where roles run (CONTRACT §5): ``"inproc"`` (every role in this
     event loop), ``"process"`` (every role in a worker process of its own) or
-    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here).
+    ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here) or
+    ``omniflow.Ray({...})`` (every role's replicas on Ray actors, CONTRACT §6).
     ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory);
     workers heartbeat every ``heartbeat_interval`` seconds from their event loop and count as
     lost (a spawned one is killed, then respawned with backoff) ``heartbeat_misses`` intervals
@@ -221,6 +196,7 @@ class Runtime:
                 heartbeat_interval=heartbeat_interval,
                 cluster_key=key,
                 heartbeat_misses=heartbeat_misses,
+                launcher=_launcher(placement, role_modules, self.plane),
             )
             if processes
             else None
@@ -682,33 +658,32 @@ class Runtime:
             token = _current.set((_context_of, call, act))
             try:
                 try:
-                    coro = method(**kwargs)
-                    fut = coro.send(None)
-                except StopIteration as stop:
-                    # Returned within its first step; more of the batch waiting: settle later.
-                    if metrics is not None:
-                        self._observe(call, act, None)
-                    # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-                    ins = core.handle(_new(Returned, (act, stop.value, not call._ready)))
-                    if ins is NOTHING:
-                        return
-                    run, emit, release, cancel, finished, _ = ins
-                    if emit or release or cancel or finished:
-                        self._apply(call, core, ins)
-                        return
-                    if len(run) == 1 and not call._ready:
-                        # The pump would start it next: start it now (a chain's next hop).
-                        act = run[0]
-                        continue
-                    call._ready.extend(run)  # ``_apply``'s common case, inlined
-                    return
+                    out = first_step(method, kwargs)
                 except (Exception, asyncio.CancelledError) as exc:
                     self._done(call, core, act, exc, not call._ready)
                     return
-                task = asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
-                call._tasks[act] = task
-                self._track(task)
-                task.add_done_callback(_resume_cb(self, call, core, act, coro))
+                if type(out) is Running:
+                    coro, task = out
+                    call._tasks[act] = task
+                    self._track(task)
+                    task.add_done_callback(_resume_cb(self, call, core, act, coro))
+                    return
+                # Returned within its first step; more of the batch waiting: settle later.
+                if metrics is not None:
+                    self._observe(call, act, None)
+                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                ins = core.handle(_new(Returned, (act, out, not call._ready)))
+                if ins is NOTHING:
+                    return
+                run, emit, release, cancel, done, _ = ins
+                if emit or release or cancel or done:
+                    self._apply(call, core, ins)
+                    return
+                if len(run) == 1 and not call._ready:
+                    # The pump would start it next: start it now (a chain's next hop).
+                    act = run[0]
+                    continue
+                call._ready.extend(run)  # ``_apply``'s common case, inlined
                 return
             finally:
                 _current.reset(token)
@@ -753,8 +728,7 @@ class Runtime:
         its first step never ran its body, so its end is reported here (else the call would
         wait for it forever)."""
         if call._tasks.get(act) is task and act.state is RUNNING and not call.done:
-            exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-            self._ended(call, core, act, exc or asyncio.CancelledError())
+            self._ended(call, core, act, generator_end(task))
 
     def _resumed(
         self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
@@ -764,50 +738,35 @@ class Runtime:
                 coro.close()
             return
         try:
-            if task.cancelled():
-                coro.close()
-                self._done(call, core, act, asyncio.CancelledError())
-            elif task.exception() is not None:
-                self._done(call, core, act, task.exception())
+            end = finished(coro, task)
+            if end.error is not None:
+                self._done(call, core, act, end.error)
             else:
                 del call._tasks[act]
                 if self.metrics is not None:
                     self._observe(call, act, None)
-                self._apply(call, core, core.handle(Returned(act, task.result())))
+                self._apply(call, core, core.handle(Returned(act, end.value)))
             self._pump(call, core)
         except Exception as exc:
             self._crash(call, exc)
 
     async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
-        exc: BaseException | None = None
-        try:
-            while True:
-                try:
-                    frame = await agen.__anext__()
-                except StopAsyncIteration:
-                    break
-                if call.done:
-                    break
-                try:
-                    # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-                    accepted = self._step(call, core, _new(Produced, (act, frame)))
-                except Exception as internal:
-                    self._crash(call, internal)
-                    break
-                if not accepted:
-                    break
-                if call._congested():
-                    await call._wait_space()
-        except asyncio.CancelledError as e:
-            exc = e
-        except Exception as e:
-            exc = e
-        finally:
+        """Run a generator method here (``_drive.drive``): its frames go to the call core."""
+
+        def push(frame: Any) -> bool:
+            if call.done:
+                return False
             try:
-                await agen.aclose()
-            except BaseException as e:  # a generator that misbehaves on close
-                exc = exc or e
-        self._ended(call, core, act, exc)
+                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                return self._step(call, core, _new(Produced, (act, frame)))
+            except Exception as internal:
+                self._crash(call, internal)
+                return False
+
+        def space() -> Any:
+            return call._wait_space() if call._congested() else None
+
+        self._ended(call, core, act, await drive(agen, push, space))
 
     def _observe(self, call: Call, act: Activation, exc: BaseException | None) -> None:
         """Per-node metrics of an ended activation (only while metrics are on)."""
@@ -1005,6 +964,17 @@ class Runtime:
                 else:
                     del self._queues[call.session]
                     self._session_idle(call.session)
+
+
+def _launcher(
+    placement: Any, role_modules: dict[str, str | None], plane: DataPlane | None
+) -> Launcher | None:
+    """What starts the replicas (``_launch``): None (subprocesses) unless Ray places them."""
+    if not isinstance(placement, Ray):
+        return None
+    from omniflow.runtime._ray import RayLauncher
+
+    return RayLauncher(placement, placement.plan(role_modules), plane=plane)
 
 
 async def setup_role(name: str, setup: Any) -> None:

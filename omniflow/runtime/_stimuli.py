@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from omniflow.data._plane import DataRef
+    from omniflow.data._ref import DataRef
     from omniflow.runtime._core import Activation
 
 __all__ = [

@@ -25,28 +25,32 @@ import os
 import signal
 import socket
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import MappingProxyType
 from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
+from omniflow._loader import load_graphs
 from omniflow.data._handle import BlockHandle
-from omniflow.data._plane import DataPlane, DataRef, PullClient, refs_in
+from omniflow.data._plane import DataPlane, PullClient
+from omniflow.data._ref import DataRef, refs_in
 from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
-from omniflow.plan._parser import load_graphs, parse_graphs
+from omniflow.plan._parser import parse_graphs
+from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
+from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
 from omniflow.transport._protocol import (
-    MESSAGES,
     Bye,
     Cancel,
     CloseSession,
     Done,
     EndCall,
     Frame,
+    Frames,
     Heartbeat,
     Hello,
     Message,
@@ -81,6 +85,10 @@ FRAME_BATCH = 64
 
 class _Unsendable(OmniflowError):
     """A frame the codec cannot carry; the activation fails with this error."""
+
+    @classmethod
+    def sending(cls, exc: Exception) -> _Unsendable:
+        return cls(f"a frame could not be sent to the front: {exc}")
 
 
 class Worker:
@@ -208,7 +216,7 @@ class Worker:
                 await setup_role(self._role_names_of[id(role)], role.setup)
         except Exception as exc:
             # The front that spawned this worker reads why it did not start from here.
-            path = os.environ.get("OMNIFLOW_START_ERROR_FILE")
+            path = os.environ.get(START_ERROR_ENV)
             if path:
                 with contextlib.suppress(OSError), open(path, "w") as f:
                     f.write(str(exc))
@@ -343,19 +351,8 @@ class Worker:
                     self._dropped("malformed", exc)
 
     def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
-        """Count a dropped message (the opener counted its own) and log the first of each
-        kind and then every 1000th, so a flood cannot flood the log as well."""
-        if reason is not None:
-            self.wire.drop(reason)
-        total = sum(self.wire.dropped.values())
-        if total == 1 or total % 1000 == 0:
-            logger.warning(
-                "worker %s: dropped %d messages so far (%s); last: %s",
-                self.replica_id,
-                total,
-                self.wire.dropped,
-                exc or "not authentic",
-            )
+        """A message was dropped (counted, and logged now and then)."""
+        self.wire.dropped_message(logger, f"worker {self.replica_id}", reason, exc)
 
     async def _heartbeat(self) -> None:
         """Tell every front that said hello that this worker lives, as often as it asked."""
@@ -366,10 +363,7 @@ class Worker:
             for peer in self._peers:
                 self._out.put_nowait((peer, beat))
 
-    def _send(
-        self, peer: bytes | None, kind: str | Message, body: dict[str, Any] | None = None
-    ) -> None:
-        msg = MESSAGES[kind][0](**(body or {})) if isinstance(kind, str) else kind
+    def _send(self, peer: bytes | None, msg: Message) -> None:
         self._out.put_nowait((peer, encode_msg(msg)))
 
     def _handle(self, peer: bytes | None, msg: Message) -> None:
@@ -579,17 +573,14 @@ class Worker:
                 gtask.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
-                coro = method(**body["k"])
-                fut = coro.send(None)
-            except StopIteration as stop:
-                self._done(peer, c, a, None, stop.value)
-                return
+                out = first_step(method, body["k"])
             except (Exception, asyncio.CancelledError) as exc:
                 self._done(peer, c, a, exc)
                 return
-            from omniflow.runtime._runtime import _await_continue, _Continue
-
-            task = loop.create_task(_await_continue(_Continue(coro, fut)))
+            if type(out) is not Running:
+                self._done(peer, c, a, None, out)
+                return
+            coro, task = out
             self._running[key] = task
             task.add_done_callback(lambda t: self._finished(key, coro, t))
         finally:
@@ -597,13 +588,8 @@ class Worker:
 
     def _finished(self, key: _Key, coro: Any, task: asyncio.Task[Any]) -> None:
         self._running.pop(key, None)
-        peer, c, a = key
-        if task.cancelled():
-            coro.close()
-            self._done(peer, c, a, asyncio.CancelledError())
-            return
-        exc = task.exception()
-        self._done(peer, c, a, exc, None if exc is not None else task.result())
+        end = finished(coro, task)
+        self._done(key[0], key[1], key[2], end.error, end.value)
 
     def _unreported(self, key: _Key, task: asyncio.Task[Any]) -> None:
         """A ``_drive`` / ``_pull_then_run`` task ended. Its body reports the end itself (and
@@ -612,59 +598,19 @@ class Worker:
         if self._running.get(key) is not task:
             return
         del self._running[key]
-        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-        self._done(key[0], key[1], key[2], exc or asyncio.CancelledError())
+        self._done(key[0], key[1], key[2], generator_end(task))
 
     async def _drive(self, key: _Key, agen: Any) -> None:
-        """Run a generator method. Frames yielded within one event-loop turn leave as one
-        ``frames`` message (at most FRAME_BATCH each): a stream that does not pause costs the
-        front one message per batch, and one that pauses still sends each frame at once."""
+        """Run a generator method (``_drive.drive``). Frames yielded within one event-loop
+        turn leave as one ``frames`` message (at most FRAME_BATCH each): a stream that does not
+        pause costs the front one message per batch, and one that pauses still sends each
+        frame at once."""
         peer, c, a = key
-        exc: BaseException | None = None
-        batch: list[Any] = []
-        state: dict[str, Any] = {"scheduled": False, "error": None}
-
-        def flush() -> None:
-            state["scheduled"] = False
-            if not batch:
-                return
-            frames = batch[:]
-            batch.clear()
-            try:
-                if len(frames) == 1:
-                    self._send(peer, "frame", {"c": c, "a": a, "f": frames[0]})
-                else:
-                    self._send(peer, "frames", {"c": c, "a": a, "fs": frames})
-            except Exception as e:  # a value the wire cannot carry fails the activation
-                state["error"] = _Unsendable(f"a frame could not be sent to the front: {e}")
-
-        loop = asyncio.get_running_loop()
-        try:
-            async for frame in agen:
-                batch.append(self._placed(peer, c, a, frame))
-                if len(batch) >= FRAME_BATCH:
-                    flush()
-                elif not state["scheduled"]:
-                    state["scheduled"] = True
-                    loop.call_soon(flush)
-                if state["error"] is not None:
-                    raise state["error"]
-            flush()
-            if state["error"] is not None:
-                raise state["error"]
-        except _Unsendable as e:
-            exc = e
-            with contextlib.suppress(BaseException):
-                await agen.aclose()
-        except asyncio.CancelledError as e:
-            exc = e
-        except Exception as e:
-            exc = e
-        finally:
-            self._running.pop(key, None)
-            if exc is not None:
-                flush()  # frames yielded before the failure still reach the front, in order
-        self._done(peer, c, a, exc)
+        out = _FrameBatch(self, peer, c, a)
+        exc = await drive(agen, out.push)
+        self._running.pop(key, None)
+        out.flush()  # frames yielded before a failure still reach the front, in order
+        self._done(peer, c, a, exc or out.error)
 
     def _placed(self, peer: bytes | None, c: str, a: int, frame: Any) -> Any:
         """``frame`` with the outputs this activation offloads put in the data plane."""
@@ -675,13 +621,6 @@ class Worker:
             except Exception as exc:
                 raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
         return frame
-
-    def _frame(self, peer: bytes | None, c: str, a: int, frame: Any) -> None:
-        frame = self._placed(peer, c, a, frame)
-        try:
-            self._send(peer, Frame(c, a, frame))
-        except Exception as exc:  # a value the wire cannot carry fails the activation
-            raise _Unsendable(f"a frame could not be sent to the front: {exc}") from exc
 
     def _done(
         self,
@@ -701,7 +640,7 @@ class Worker:
             except _Unsendable as e:
                 exc = e
             except Exception as e:  # a value the wire cannot carry fails the activation
-                exc = _Unsendable(f"a frame could not be sent to the front: {e}")
+                exc = _Unsendable.sending(e)
             else:
                 self._offload.pop((peer, c, a), None)
                 return
@@ -715,6 +654,47 @@ class Worker:
             self._send(peer, Done(c, a, None, type(exc).__name__, str(exc), False, tb))
 
 
+class _FrameBatch:
+    """The frames of one generator activation on their way to the front, batched per turn."""
+
+    __slots__ = ("a", "batch", "c", "error", "peer", "scheduled", "worker")
+
+    def __init__(self, worker: Worker, peer: bytes | None, c: str, a: int) -> None:
+        self.worker = worker
+        self.peer, self.c, self.a = peer, c, a
+        #: Frames placed (offloaded outputs in the data plane) and not sent yet.
+        self.batch: list[Any] = []
+        #: A flush is due at the end of this loop turn.
+        self.scheduled = False
+        #: Why a flush failed (a value the wire cannot carry fails the activation).
+        self.error: _Unsendable | None = None
+
+    def push(self, frame: Any) -> bool:
+        """``drive``'s push: place and queue the frame; raises once a send failed."""
+        self.batch.append(self.worker._placed(self.peer, self.c, self.a, frame))
+        if len(self.batch) >= FRAME_BATCH:
+            self.flush()
+        elif not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def flush(self) -> None:
+        self.scheduled = False
+        if not self.batch:
+            return
+        frames, self.batch = self.batch, []
+        try:
+            if len(frames) == 1:
+                self.worker._send(self.peer, Frame(self.c, self.a, frames[0]))
+            else:
+                self.worker._send(self.peer, Frames(self.c, self.a, frames))
+        except Exception as e:  # a value the wire cannot carry fails the activation
+            self.error = _Unsendable.sending(e)
+
+
 def _run_body(msg: Run) -> dict[str, Any]:
     """A ``run`` as the dict the activation code works on; TransportError (the message is
     dropped and counted as malformed) when an argument name is not a str."""
@@ -724,35 +704,12 @@ def _run_body(msg: Run) -> dict[str, Any]:
     return msg._asdict()
 
 
-def run_worker(
-    modules: list[str],
-    roles: list[str],
-    address: str,
-    *,
-    replica_id: str | None = None,
-    registry: str | None = None,
-    heartbeat_interval: float = 1.0,
-    drain_timeout: float = 30.0,
-    parent_pid: int | None = None,
-    cluster_key: bytes | None = None,
-    owner: str | None = None,
-) -> int:
-    """Entry point of ``omniflow worker``: serve until SIGTERM or a ``stop`` message."""
+def run_worker(make: Callable[[], Worker]) -> int:
+    """Entry point of ``omniflow worker``: serve the Worker ``make()`` builds (in the event
+    loop it will run in) until SIGTERM or a ``stop`` message."""
 
     async def main() -> None:
-        worker = Worker(
-            modules,
-            roles,
-            address,
-            replica_id=replica_id,
-            registry=registry,
-            heartbeat_interval=heartbeat_interval,
-            drain_timeout=drain_timeout,
-            parent_pid=parent_pid,
-            cluster_key=cluster_key,
-            owner=owner,
-        )
-        await worker.run()
+        await make().run()
 
     asyncio.run(main())
     return 0

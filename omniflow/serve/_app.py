@@ -49,8 +49,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from omniflow._exceptions import InputError, OmniflowError
+from omniflow._loader import load_graphs
 from omniflow.dsl import Graph
-from omniflow.plan import load_graphs
 from omniflow.runtime import Runtime
 from omniflow.serve import _openai
 from omniflow.serve._codec import ValueDecodingError, loads

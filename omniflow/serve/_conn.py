@@ -217,10 +217,9 @@ class _Protocol(H11Protocol):
         else:  # idle: nothing to answer, no reason to linger
             self.close_quietly()
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:  # None: asyncio closes the transport itself
         if self._lingering.lingering:  # the client has read the answer and closed: close now
             self._lingering.hard_close()
-        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lingering.cancel_timer()

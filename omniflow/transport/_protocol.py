@@ -23,7 +23,7 @@ A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front a
 first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
 cancellation, and the formatted traceback ``tb``.
 
-On the wire a message is sealed (``_auth``: an HMAC over every frame, checked before anything
+On the wire a message is sealed (``_auth``: a MAC over every frame, checked before anything
 is decoded) around the codec's envelope: ``kind`` and the message's fields as a msgpack array
 in declaration order. Field values that are not plain data (a frame's objects, a DataRef) are
 pickled, and are unpickled only once the MAC held. ``decode_msg`` checks the kind and every
@@ -287,10 +287,13 @@ def encode_msg(msg: Message) -> list[Buffer]:
     return encode(list(msg), kind=_KIND[type(msg)], pickle=True)
 
 
-def decode_msg(frames: list[Any]) -> Message:
-    """The message in already authenticated ``frames``; ProtocolError for anything else."""
+def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
+    """The message in already authenticated ``frames``; ProtocolError for anything else.
+
+    Big values come back as owned, writable copies (``owned=True``, what a method must get);
+    ``owned=False`` leaves them views of the frames, for a receiver that copies them itself."""
     try:
-        kind, body = decode_message(frames, allow_pickle=True, owned=True)
+        kind, body = decode_message(frames, allow_pickle=True, owned=owned)
     except TransportError as exc:
         raise ProtocolError(str(exc), "malformed") from None
     except Exception as exc:  # an authenticated pickle that fails to load

@@ -75,6 +75,7 @@ def _valid_wavs(audio_dir: Path) -> list[Path]:
     return wavs
 
 
+@pytest.mark.slow
 def test_served_to_the_openai_client(tmp_path: Path) -> None:
     """``omniflow serve graphs/omni_chat.py`` with the tiny model made on first use."""
     audio = tmp_path / "audio"

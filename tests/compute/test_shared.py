@@ -201,6 +201,7 @@ def _wait_gone(key: str, timeout: float = 60.0) -> list[str]:
     return left
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_three_processes_share_one_copy(tmp_path: Path) -> None:
     wdir, other = tmp_path / "w", tmp_path / "other"

@@ -146,6 +146,78 @@ async def test_demoted_to_l3_and_read_back_bit_identical(make: Any, tmp_path: An
     assert pool.fill(pool._core.lookup(keys[5]).slot) == 3  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("pages", [2, 16])
+async def test_a_matched_run_is_read_back_in_one_batch(make: Any, pages: int) -> None:
+    """Whatever the run's length: one metadata lookup, one call marking the pages moving and
+    one placing them, one slice copy per (sub, slice) for a contiguous run, bytes intact."""
+    pool = make(capacity={"l1": 2 * pages, "l2": 2 * pages, "l3": 0})
+    keys = of.chain_hashes([[i] for i in range(pages)])
+    slots = await pool.alloc("w", pages)
+    data = {
+        key: fill_page(pool, slot, i) for i, (key, slot) in enumerate(zip(keys, slots, strict=True))
+    }
+    await pool.publish("s", keys, slots)
+    await pool.release("w")
+    await pool.alloc("burst", 2 * pages)  # the chain goes down to L2
+    await pool.release("burst")
+    assert pool.stats()["pages"]["l2"] == pages
+    meta = pool._meta
+    assert meta is not None
+    copies: list[int] = []
+    real = torch.Tensor.copy_
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        copies.append(self.shape[0])
+        return real(self, *args, **kwargs)
+
+    before = meta.round_trips
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", counting)
+        m = await pool.match("s", keys, "r")
+    assert m.pages == pages
+    assert meta.round_trips - before == 3  # match (+ run lock), mark moving, new places
+    assert copies == [pages] * len(LAYOUT.coords())  # one run: one copy per (sub, slice)
+    for key, slot in zip(keys, m.slots, strict=True):
+        assert pool._core.slot(slot).tier == L1 and same(pool, slot, data[key])
+    assert pool.stats()["hits"] == pages
+    await pool.release("r")
+
+
+async def test_a_redis_match_is_one_request_even_an_owners_first(redis: Any) -> None:
+    """Counted on the wire: every request the client sends (a command, a pipeline or a
+    script) goes through one ``send_packed_command`` of a connection."""
+    from redis.asyncio.connection import AbstractConnection
+
+    pool = of.ParamsPool("kv", LAYOUT, {"l1": 16, "l2": 0}, metadata=redis.url)
+    try:
+        keys = of.chain_hashes([[i] for i in range(8)])
+        slots = await pool.alloc("w", 8)
+        await pool.publish("chat", keys, slots)
+        await pool.release("w")
+        warm = await pool.match("chat", keys, "warm")  # the connection is made
+        assert warm.pages == 8
+        sent: list[Any] = []
+        real = AbstractConnection.send_packed_command
+
+        async def counting(self: Any, command: Any, check_health: bool = True) -> None:
+            sent.append(command)
+            await real(self, command, check_health)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(AbstractConnection, "send_packed_command", counting)
+            m = await pool.match("chat", keys, "reader")  # first match of this owner
+            assert m.pages == 8 and len(sent) == 1
+            m2 = await pool.match("chat", keys[:4], "reader")  # again: no second run lock
+            assert m2.pages == 4 and len(sent) == 2
+        dump = await pool._meta.dump("kv")  # type: ignore[union-attr]
+        assert dump["runs"] == {"s:chat": 2}  # "warm" and "reader" hold the session
+        await pool.release("reader")
+        await pool.release("warm")
+        assert (await pool._meta.dump("kv"))["runs"] == {}  # type: ignore[union-attr]
+    finally:
+        await pool.aclose()
+
+
 async def test_alloc_fails_at_once_without_touching_owned_pages(make: Any) -> None:
     pool = make(capacity={"l1": 4, "l2": 0})
     slots = await pool.alloc("a", 3)
@@ -266,10 +338,11 @@ async def test_same_node_pools_share_l2_pages_in_place(make: Any) -> None:
 
 
 @pytest.mark.parametrize("host", ["node-b", None])  # another node, or this one (L2 shared)
+@pytest.mark.parametrize("backend", ["memory", "redis"])
 async def test_a_subscriber_preloads_a_published_chain_and_then_hits_locally(
-    make: Any, host: str | None
+    make: Any, host: str | None, backend: str, request: pytest.FixtureRequest
 ) -> None:
-    meta = MemoryMetadata()
+    meta: Any = MemoryMetadata() if backend == "memory" else request.getfixturevalue("redis").url
     a = make(name="kv", metadata=meta, host="node-a" if host else None)
     b = make(name="kv", metadata=meta, host=host)
     await b.subscribe("chat", preload=True)
@@ -300,17 +373,68 @@ async def test_a_subscriber_preloads_a_published_chain_and_then_hits_locally(
     await a.publish("chat", of.chain_hashes([[99]]), more)
     await b.preloads()
     assert b.stats()["notified"] == 2  # unsubscribed: not told any more
-    dump = await meta.dump("kv")
-    assert dump["subs"] == {"s:other": [b.node]} and dump["locks"] == {}
+    dump = await a._meta.dump("kv")
+    assert dump["locks"] == {}
+    if backend == "memory":
+        assert dump["subs"] == {"s:other": [b.node]}
+    else:  # sealed pub/sub messages, every one authentic
+        wire = b.stats()["wire"]
+        assert wire["notice_accepted"] == 2
+        assert sum(v for k, v in wire.items() if k.startswith("notice_dropped")) == 0
+    b.validate()
+    await b.aclose()  # before the private Redis goes (it was set up after ``make``)
+    await a.aclose()
 
 
-async def test_subscribing_with_redis_metadata_says_it_is_not_delivered(redis: Any) -> None:
-    pool = of.ParamsPool("kv", LAYOUT, {"l1": 4, "l2": 0}, metadata=redis.url)
+async def test_forged_and_replayed_redis_notices_are_dropped_and_counted(redis: Any) -> None:
+    """Anyone who can write to Redis can PUBLISH on a pool's channel: only notices sealed
+    with the cluster key, for this pool and session, never seen before, start a preload."""
+    import redis.asyncio as aioredis
+
+    from omniflow.data.kv._notice import NoticeSeal
+    from omniflow.transport._auth import generate_key
+
+    a = of.ParamsPool("kv", LAYOUT, {"l1": 8, "l2": 0}, metadata=redis.url, host="node-a")
+    b = of.ParamsPool("kv", LAYOUT, {"l1": 8, "l2": 0}, metadata=redis.url, host="node-b")
+    raw = aioredis.from_url(redis.url, decode_responses=True)
+    spy = raw.pubsub()
     try:
-        with pytest.raises(of.DataError, match="notifications"):
-            await pool.subscribe("chat")
+        await b.subscribe("chat", preload=True)
+        channel = "ofkv:kv:notify:s:chat"
+        await spy.subscribe(channel)
+        assert (await spy.get_message(timeout=30))["type"] == "subscribe"
+        keys = of.chain_hashes([[i] for i in range(3)])
+        slots = await a.alloc("w", 3)
+        await a.publish("chat", keys, slots)
+        await b.preloads()
+        assert b.stats()["preloaded"] == 3
+        captured = (await spy.get_message(timeout=30))["data"]
+        assert captured.startswith("0,1,2|")
+        wire = lambda: {k[7:]: v for k, v in b.stats()["wire"].items() if k.startswith("notice_")}  # noqa: E731
+        assert wire()["accepted"] == 1
+
+        other = await a.alloc("w", 1)
+        fresh = of.chain_hashes([[9]])
+        await a.publish(None, fresh, other)  # a real page nobody told b about
+        evil = NoticeSeal("kv", "evil", generate_key())  # not the cluster key
+        await raw.publish(channel, "0|" + evil.seal("chat", fresh))
+        await raw.publish(channel, captured)  # a replay of an authentic notice
+        await raw.publish(channel, "0|not base64!")
+        public = NoticeSeal("kv", a.node, a._cluster_key())
+        await raw.publish(channel, "0|" + public.seal(None, fresh))  # another chain's notice
+        await raw.publish(channel, "7|" + public.seal("chat", fresh))  # index out of range
+        await b.preloads()
+        assert wire() == {
+            "accepted": 3, "dropped_bad_mac": 1, "dropped_replay": 1,
+            "dropped_malformed": 2, "dropped_foreign": 1, "dropped_unknown_kind": 0,
+        }  # fmt: skip
+        assert b.stats()["notified"] == 1 and b.stats()["preloaded"] == 3  # nothing more
+        assert list(b.notices) == [("chat", keys)]
     finally:
-        await pool.aclose()
+        await spy.aclose()
+        await raw.aclose()
+        await a.aclose()
+        await b.aclose()
 
 
 # -- graphs and the runtime ---------------------------------------------------------------------

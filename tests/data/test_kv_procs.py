@@ -14,6 +14,9 @@ import torch
 
 import omniflow as of
 
+#: Every test here spawns processes.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(120)
 async def test_process_b_reads_process_a_chain_through_l2_without_a_copy(
@@ -118,7 +121,7 @@ async def test_two_workers_share_one_front_hosted_metadata_and_l2() -> None:
                 break
             await asyncio.sleep(0.05)
         assert (await meta.dump("kvs"))["locks"] == {}
-        writers = {n for rep in rt.remote._replicas.values() for _, n in rep.pool_nodes}
+        writers = {n for rep in rt.remote.fleet.replicas.values() for _, n in rep.pool_nodes}
         assert len(writers) == 2  # both workers' pools registered with the front
     # Both workers left: the front forgot their pools, so nothing points at their memory.
     assert (await meta.dump("kvs"))["providers"] == {}

@@ -80,6 +80,35 @@ class SlotMachine(RuleBasedStateMachine):
             self.core.commit(plan)
             assert s.tier == L1 and not s.readbacks
 
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5, unique=True),
+          owner=st.sampled_from(OWNERS))  # fmt: skip
+    def match_run(self, keys: list[str], owner: str) -> None:
+        """A run of published pages taken in one step and read back in one batched plan:
+        contiguous sources land contiguous (sorted pairing), every byte has one place."""
+        run = [s.slot for k in keys if (s := self.core.lookup(k)) is not None]
+        if not run:
+            return
+        self.core.take(run, owner)
+        self.owned.setdefault(owner, set()).update(run)
+        for sid in run:
+            assert owner in self.core.slot(sid).active
+        down = [sid for sid in run if self.core.slot(sid).tier != L1]
+        if not down:
+            return
+        try:
+            plan = self.core.plan_readback(down)
+        except PoolExhaustedError:
+            assert self.pinned_l1() + len(down) > 4
+            return
+        srcs = sorted((m.src_tier, m.src_index) for m in plan.moves if m.slot in down)
+        ups = sorted(((m.src_tier, m.src_index), m.dst_index) for m in plan.moves
+                     if m.slot in down)  # fmt: skip
+        assert [s for s, _ in ups] == srcs
+        assert [d for _, d in ups] == sorted(d for _, d in ups), "pairing is not monotone"
+        self.core.commit(plan)
+        for sid in down:
+            assert self.core.slot(sid).tier == L1
+
     @precondition(lambda self: bool(self.core.slots()))
     @rule(data=st.data(), kind=st.sampled_from(("writes", "readbacks")))
     def start_task(self, data: st.DataObject, kind: str) -> None:

@@ -25,6 +25,7 @@ from omniflow.data import (
     PoolExhaustedError,
     SharedBufferPool,
 )
+from omniflow.data._pool import SEGMENT_PREFIX_ENV
 
 MakePool = Callable[..., SharedBufferPool]
 KB = 1024
@@ -199,6 +200,7 @@ async def test_async_context_manager_and_attachment_close(make_pool: MakePool) -
     assert pool.closed
 
 
+@pytest.mark.slow
 def test_a_forgotten_pool_warns_and_unlinks() -> None:
     pool = SharedBufferPool(4 * KB, chunk_size=KB)
     name = pool.name
@@ -215,6 +217,7 @@ def spawn_executor() -> ProcessPoolExecutor:
     return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
 
+@pytest.mark.slow
 def test_another_process_reads_and_writes_arrays_bit_identically(make_pool: MakePool) -> None:
     pool = make_pool(256 * KB, chunk_size=KB)
     arrays = workers.sample_arrays()
@@ -230,6 +233,7 @@ def test_another_process_reads_and_writes_arrays_bit_identically(make_pool: Make
     assert pool.release_owner("call") == 2 * len(arrays)
 
 
+@pytest.mark.slow
 def test_another_process_reads_and_writes_tensors_bit_identically(make_pool: MakePool) -> None:
     pytest.importorskip("torch")
     pool = make_pool(512 * KB, chunk_size=KB)
@@ -262,3 +266,16 @@ def test_an_unrelated_process_attaching_does_not_unlink_the_segment(make_pool: M
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "[0, 1, 2, 3]", "")
     assert os.path.exists(f"/dev/shm/{pool.name}")
     assert pool.get_array(handle).tolist() == [0, 1, 2, 3]
+
+
+def test_segment_names_take_the_environment_prefix(
+    make_pool: MakePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert make_pool(4096).name.startswith("omniflow_")
+    monkeypatch.setenv(SEGMENT_PREFIX_ENV, "omniflow_t42")
+    pool = make_pool(4096)
+    assert pool.name.startswith("omniflow_t42_") and os.path.exists(f"/dev/shm/{pool.name}")
+    for bad in ("", "../etc", "a b", "x" * 65):
+        monkeypatch.setenv(SEGMENT_PREFIX_ENV, bad)
+        with pytest.raises(ValueError, match=r"SHM_PREFIX=.* is not a segment name prefix"):
+            SharedBufferPool(4096)

@@ -222,3 +222,4 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.pytestmark = [pytest.mark.slow]

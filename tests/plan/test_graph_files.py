@@ -78,3 +78,54 @@ def test_serve_reports_file_and_line(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0
     assert f"{path}:2" in proc.stderr, proc.stderr
+
+
+def test_a_graph_bound_to_two_names_is_loaded_once(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "alias.py",
+        "import omniflow as of\n\n\n"
+        "class R(of.Role):\n"
+        "    @of.interface(inputs_or=[['x']], outputs=['y'])\n"
+        "    async def run(self, x):\n"
+        "        return {'y': x}\n\n\n"
+        "g = of.Graph('alias_g', roles={'r': R()}, inputs=[of.Placeholder('x')], outputs=['y'])\n"
+        "same = g\n",
+    )
+    (graph,) = of.load_graphs(path)
+    assert graph.name == "alias_g"
+
+
+def test_a_module_whose_own_import_is_missing_names_the_missing_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "cannot import graph module": the graph module exists, a module it imports does
+    not; the error says which, at the graph module's line."""
+    write(tmp_path, "needs_dep_graphs.py", "import os\n\nimport no_such_dependency_omniflow\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "needs_dep_graphs", raising=False)
+    with pytest.raises(of.GraphError, match=r"needs_dep_graphs\.py:3: importing graph module") as e:
+        of.parse("needs_dep_graphs")
+    assert "no_such_dependency_omniflow" in str(e.value)
+    assert "cannot import graph module" not in str(e.value)
+
+
+def test_where_a_load_failed_without_a_frame_in_the_graph_file(tmp_path: Path) -> None:
+    from omniflow._loader import _where
+
+    graph_file = tmp_path / "g.py"
+    # Never raised: no traceback at all.
+    assert _where(ValueError("x"), graph_file) == str(graph_file)
+    assert _where(ValueError("x"), None) == "?"
+    # Raised elsewhere (the import machinery reading the file, say): the deepest frame.
+    try:
+        raise ValueError("x")
+    except ValueError as exc:
+        here = _where(exc, graph_file)
+    assert here.startswith(f"{__file__}:")
+
+
+def test_a_file_python_cannot_import_is_a_graph_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "graph.txt", "not python\n")
+    with pytest.raises(of.GraphError, match=f"cannot import graph file '{path}'"):
+        of.parse(path)

@@ -617,6 +617,16 @@ def test_signature_with_kwargs_accepts_every_group(make_role: RoleFactory) -> No
     assert of.parse(_graph({"r": role}, inputs=("x", "image"))).nodes == ("r.run",)
 
 
+def test_var_positional_and_defaulted_positional_only_parameters_are_ignored(
+    make_role: RoleFactory,
+) -> None:
+    """Fields are passed by keyword: ``*args`` and a positional-only parameter with a default
+    never receive one, and do not make the node unfireable."""
+    decl = {"inputs_or": [["x"]], "outputs": ["y"], "params": ("p=0", "/", "*rest", "x")}
+    role = make_role({"run": decl})
+    assert of.parse(_graph({"r": role})).nodes == ("r.run",)
+
+
 def test_positional_only_parameter(make_role: RoleFactory) -> None:
     role = make_role({"run": {"inputs_or": [["x"]], "outputs": ["y"], "params": ("x", "/")}})
     _raises(_graph({"r": role}), "node 'r.run'", "positional-only", node="r.run")
@@ -707,8 +717,8 @@ def test_role_name_that_is_not_an_identifier(make_role: RoleFactory) -> None:
 
 
 def test_duplicate_node_names_are_impossible_but_checked(make_role: RoleFactory) -> None:
-    """Role names are dict keys and method names attributes, so two nodes cannot share a name
-    through the DSL; the parser checks anyway. A dict of roles keeps one entry per key."""
+    """Role names are identifier dict keys and method names unique per role, so two nodes cannot
+    share a name (the parser asserts it as an invariant). A dict of roles keeps one per key."""
     role = make_role({"run": {"inputs_or": [["x"]], "outputs": ["y"]}})
     g = _graph({"r": role})
     assert of.parse(g).nodes == ("r.run",)

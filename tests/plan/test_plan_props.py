@@ -324,6 +324,7 @@ def check_plan(plan: of.StaticPlan, m: Model) -> None:
     }
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(model=models())
 def test_random_graphs_match_the_reference(make_role: RoleFactory, model: Model) -> None:
@@ -340,6 +341,7 @@ def test_random_graphs_match_the_reference(make_role: RoleFactory, model: Model)
     assert render_dot(plans).rstrip().endswith("}")
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(model=models(cyclic=False))
 def test_dags_have_no_cycle_nodes(make_role: RoleFactory, model: Model) -> None:
@@ -522,6 +524,7 @@ def _applicable(m: Model) -> Iterable[str]:
         yield name
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(model=models(), data=st.data())
 def test_invalid_mutations_raise_graph_error(
@@ -576,6 +579,7 @@ def _plan_order(m: Model) -> list[str]:
     return order + sorted({n.name for n in m.nodes} - set(order))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(model=models())
 def test_plan_nodes_are_in_plan_order(make_role: RoleFactory, model: Model) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -67,7 +68,7 @@ async def test_broadcast_returns_every_replica() -> None:
 
 @pytest.mark.parametrize("policy", [RoundRobin(), Broadcast(), SessionLoadBalance(DictStore())])
 async def test_no_replica_is_a_registry_error(policy: object) -> None:
-    with pytest.raises(RegistryError, match="role 'llm' has no live replica") as info:
+    with pytest.raises(RegistryError, match="no live replica of role 'llm'") as info:
         await policy.select("llm", [], session="s")  # type: ignore[attr-defined]
     assert info.value.role == "llm"
 
@@ -133,7 +134,64 @@ def test_load_balance_by_name() -> None:
     assert isinstance(load_balance("round_robin"), RoundRobin)
     assert isinstance(load_balance("broadcast"), Broadcast)
     assert isinstance(load_balance("session", store=DictStore()), SessionLoadBalance)
-    with pytest.raises(RegistryError, match="needs an affinity store"):
-        load_balance("session")
+    local = load_balance("session")  # one front: pins kept in this process
+    assert isinstance(local, SessionLoadBalance) and local.store is None
     with pytest.raises(RegistryError, match="unknown load-balance policy 'random'"):
         load_balance("random")
+
+
+@given(
+    st.text(min_size=1, max_size=12),
+    st.lists(st.text(min_size=1, max_size=8), min_size=2, max_size=8, unique=True),
+    st.randoms(use_true_random=False),
+)
+def test_session_pick_is_a_rendezvous_hash(session: str, ids: list[str], rnd: Any) -> None:
+    """Fronts that see the same replicas in any order propose the same one, and a replica
+    leaving moves only the sessions it had (highest random weight)."""
+    pool = replicas(*ids)
+    chosen = SessionLoadBalance.pick(session, pool)
+    shuffled = list(pool)
+    rnd.shuffle(shuffled)
+    assert SessionLoadBalance.pick(session, shuffled) == chosen
+    other = next(r for r in pool if r != chosen)
+    assert SessionLoadBalance.pick(session, [r for r in pool if r != other]) == chosen
+
+
+async def test_without_a_store_pins_stay_in_this_process() -> None:
+    lb = SessionLoadBalance()
+    pool = replicas("a", "b", "c")
+    [first] = lb.select_now("llm", pool, session="s1") or []
+    assert lb.select_now("llm", list(reversed(pool)), session="s1") == [first]
+    assert await lb.route("s1", "llm", pool) == first
+    survivors = [r for r in pool if r != first]
+    [moved] = lb.select_now("llm", survivors, session="s1") or []
+    assert moved in survivors and lb.statistics() == {"pinned": 1, "repinned": 1}
+    lb.forget("s1")
+    assert lb.pinned("s1", "llm", pool) is None
+
+
+async def test_with_a_store_a_new_session_needs_the_round_trip() -> None:
+    store = DictStore()
+    rr = RoundRobin()
+    lb = SessionLoadBalance(store, fallback=rr)
+    pool = replicas("a", "b")
+    assert lb.select_now("llm", pool, session="s1") is None  # must ask the store
+    [rep] = await lb.select("llm", pool, session="s1")
+    assert lb.select_now("llm", pool, session="s1") == [rep]  # the local copy answers now
+    assert lb.select_now("llm", pool) == [pool[0]] and rr.choose("llm", pool) == pool[1]
+
+
+async def test_route_asks_find_about_a_pin_to_a_replica_not_seen_here() -> None:
+    store = DictStore()
+    store.pins[("s1", "llm")] = "elsewhere"
+    pool = replicas("a")
+    late = Replica("llm", "elsewhere", "inproc://elsewhere")
+    asked: list[str] = []
+
+    async def find(rid: str) -> Replica | None:
+        asked.append(rid)
+        pool.append(late)  # connected here meanwhile
+        return late
+
+    assert await SessionLoadBalance(store).route("s1", "llm", lambda: pool, find=find) == late
+    assert asked == ["elsewhere"] and store.pins[("s1", "llm")] == "elsewhere"

@@ -27,6 +27,27 @@ def load_graph_module(name: str) -> ModuleType:
     return module
 
 
+#: Logical resources of the Ray instance the tests start (one per test module): enough CPUs
+#: for every replica of a scenario graph, and fake GPUs for the placement tests.
+RAY_CPUS = 64
+RAY_GPUS = 4
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Any:
+    """A local Ray instance for one test module (skip when ray is not installed); a Ray this
+    process already runs is reused and left running."""
+    ray = pytest.importorskip(
+        "ray", reason="of.Ray needs the 'ray' extra (pip install 'omniflow[ray]')"
+    )
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=RAY_CPUS, num_gpus=RAY_GPUS, include_dashboard=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture
 async def runtime() -> AsyncIterator[Callable[..., Any]]:
     """Factory: ``rt = await runtime(graph, ...)``; every runtime is checked and closed after."""

@@ -21,6 +21,7 @@ Rules that keep one Runtime per test possible:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -253,8 +254,8 @@ skip = of.Graph(
 
 # ---------------------------------------------------------------- independence
 
-#: How long sib_slow sleeps (s).
-SLOW_S = 0.5
+#: How long sib_slow waits for its gate file before it gives up (s): about hangs, not speed.
+GATE_S = 60.0
 
 
 class SibSrc(of.Role):
@@ -264,11 +265,15 @@ class SibSrc(of.Role):
 
 
 class SibSlow(of.Role):
-    @of.interface(inputs_or=[["a"]], outputs=["slow"])
-    async def run(self, a: int) -> dict[str, Any]:
-        t0 = time.time()
-        await asyncio.sleep(SLOW_S)
-        return {"slow": [a, t0, time.time()]}
+    """Finishes only once the caller opened the gate (created the file), which the caller does
+    after the fast frame arrived: if the fast branch waited for this one, the call would hang."""
+
+    @of.interface(inputs_or=[["a", "gate"]], outputs=["slow"])
+    async def run(self, a: int, gate: str) -> dict[str, Any]:
+        end = time.monotonic() + GATE_S
+        while not os.path.exists(gate) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        return {"slow": [a, os.path.exists(gate)]}
 
 
 class SibFast(of.Role):
@@ -281,7 +286,7 @@ class SibFast(of.Role):
 class SibFast2(of.Role):
     @of.interface(inputs_or=[["fast1"]], outputs=["fast"])
     async def run(self, fast1: int) -> dict[str, Any]:
-        return {"fast": [fast1 + 1, time.time()]}
+        return {"fast": [fast1 + 1]}
 
 
 sib = of.Graph(
@@ -292,7 +297,7 @@ sib = of.Graph(
         "sib_fast": SibFast(),
         "sib_fast2": SibFast2(),
     },
-    inputs=[of.Placeholder("x")],
+    inputs=[of.Placeholder("x"), of.Placeholder("gate")],
     outputs=["slow", "fast"],
 )
 
@@ -602,16 +607,32 @@ WORK_S = 0.15
 
 
 class SessWork(of.Role):
-    """Reports ``[job, session history after it, session, start time, end time]``."""
+    """Reports ``[job, session history after it, session, start time, end time, met]``.
+
+    A job ``"NAME@DIR"`` meets its peers (the name is ``NAME``): it creates ``DIR/NAME`` when it
+    starts, then waits (up to GATE_S) until every peer that ``DIR/meet.json`` lists for it has
+    started; ``met`` says whether they all did (None for a plain job). Two jobs that meet
+    provably ran at once, however loaded the machine. (In the job, not the environment: Ray
+    actors do not inherit the test's environment.)"""
 
     @of.interface(inputs_or=[["job"]], outputs=["done"])
     async def run(self, job: str) -> dict[str, Any]:
+        job, _, meet = job.partition("@")
         ctx = of.context()
         t0 = time.time()
         hist = ctx.params["sess_history"]
         hist.append(job)
+        met = None
+        if meet:
+            (Path(meet) / job).touch()
+            peers = json.loads((Path(meet) / "meet.json").read_text()).get(job, [])
+            end = time.monotonic() + GATE_S
+            while not (met := all((Path(meet) / p).exists() for p in peers)):
+                if time.monotonic() > end:
+                    break
+                await asyncio.sleep(0.01)
         await asyncio.sleep(WORK_S)
-        return {"done": [job, list(hist), ctx.session, t0, time.time()]}
+        return {"done": [job, list(hist), ctx.session, t0, time.time(), met]}
 
 
 sess = of.Graph(

@@ -444,6 +444,7 @@ class CallCoreMachine(RuleBasedStateMachine):
 
 
 TestCallCore = CallCoreMachine.TestCase
+TestCallCore.pytestmark = [pytest.mark.slow]
 TestCallCore.settings = settings(
     max_examples=300,
     stateful_step_count=50,
@@ -524,6 +525,7 @@ class StreamOrderMachine(RuleBasedStateMachine):
 
 
 TestStreamOrder = StreamOrderMachine.TestCase
+TestStreamOrder.pytestmark = [pytest.mark.slow]
 TestStreamOrder.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -23,29 +24,39 @@ from typing import Any
 import pytest
 
 import omniflow as of
+from omniflow.data._pool import SEGMENT_PREFIX_ENV
 
 from . import dp_graphs as dg
 
 ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
+#: Every test here starts worker processes.
+pytestmark = pytest.mark.slow
 PAIR = ("dp_src.run", "dp_dst.run")
 GRAPHS = {g.name: g for g in of.load_graphs(Path(dg.__file__))}
 #: Small values too: every sample goes through the data plane (0-d ones included).
 EVERY = {"data_threshold": 1}
 
 
-def segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("omniflow_*")}
+def segments(prefix: str) -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"{prefix}_*")}
 
 
 @pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    """No shared-memory segment and no worker process outlives the test."""
-    before = segments()
+def no_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No shared-memory segment and no worker process outlives the test.
+
+    The test's processes (this one, and the workers that inherit the environment) name their
+    segments with a prefix of the test's own, so a concurrent run's segments never count.
+    """
+    prefix = f"omniflow_t{secrets.token_hex(4)}"
+    monkeypatch.setenv(SEGMENT_PREFIX_ENV, prefix)
     yield
-    deadline = time.monotonic() + 5  # a SIGKILLed owner's resource tracker unlinks late
-    while segments() - before and time.monotonic() < deadline:
+    # A SIGKILLed owner's resource tracker unlinks late (later on a loaded machine): poll, with
+    # a bound that is about hangs, not speed.
+    deadline = time.monotonic() + 30
+    while segments(prefix) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not segments() - before, f"segments left behind: {sorted(segments() - before)}"
+    assert not segments(prefix), f"segments left behind: {sorted(segments(prefix))}"
 
 
 Factory = Callable[..., Any]
@@ -72,7 +83,7 @@ async def runtime() -> AsyncIterator[Factory]:
                 assert rt.stats() == ZERO
                 await assert_pools_empty(rt)
         finally:
-            procs = [r.process for r in rt.remote._replicas.values()] if rt.remote else []
+            procs = [r.process for r in rt.remote.fleet.replicas.values()] if rt.remote else []
             await rt.close()
             assert all(p is None or p.returncode is not None for p in procs)
 

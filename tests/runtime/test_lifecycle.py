@@ -212,6 +212,7 @@ async def _storm(rt: of.Runtime, n: int, seed: int) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_storm_of_1000_calls_inproc() -> None:
     rt = build("inproc", lg.life, lg.quick)
@@ -249,7 +250,9 @@ async def test_status_is_cancelled_as_soon_as_the_loop_is_left(runtime: Factory)
     rt = await runtime(lg.deadline, lg.quick)
 
     def start() -> of.Call:
-        return rt.call("lg_deadline", {"s": 0.0})  # a 1000-frame stream
+        # 1000 frames 0.05 s apart: the stream cannot end before the caller leaves the loop
+        # (with no gap a worker could send all of them and its done first, and the call be "ok").
+        return rt.call("lg_deadline", {"s": 0.05})
 
     call = start()
     async for f in call:

@@ -513,6 +513,7 @@ N_GRAPHS = int(_COUNT or "60")
 _FIXED = _COUNT is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60 + 3 * N_GRAPHS)
 @settings(
     max_examples=N_GRAPHS,

@@ -27,7 +27,7 @@ from omniflow.registry import MemoryRegistry, MemoryStore, RedisRegistry, Replic
 from omniflow.serve._metrics import HttpMetrics, render
 from omniflow.testing import RedisServer
 from omniflow.transport import bind, encode
-from omniflow.transport._auth import TAG_BYTES, Opener, Sealer
+from omniflow.transport._auth import BULK_BYTES, TAG_BYTES, Opener, Sealer
 from omniflow.transport._protocol import (
     Done,
     Frame,
@@ -44,7 +44,7 @@ from omniflow.transport._protocol import (
 
 from . import mp_graphs as mp
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # every test starts workers
 
 KEY = "test-cluster-key-0123456789abcdef"
 WRONG = b"wrong-cluster-key-0123456789abcd"
@@ -74,15 +74,29 @@ def _evil_run(marker: Path) -> list[bytes]:
     return frames
 
 
+def _evil_bulk(marker: Path) -> list[bytes]:
+    """The evil run padded past BULK_BYTES, so its MAC is the one-time-key GMAC."""
+    body = ["c", 1, "r.run", {"x": _Evil(marker), "pad": bytes(3 * BULK_BYTES)}, None, 0, 0,
+            "mp_scale"]  # fmt: skip
+    frames = [bytes(f) for f in encode(body, kind="run", pickle=True)]
+    assert b"touch" in frames[0] and sum(map(len, frames)) >= BULK_BYTES
+    return frames
+
+
 def _attack(marker: Path, replayable: list[Any]) -> Iterator[list[bytes]]:
-    """10,000 hostile messages: wrong key, unsigned, cut short, replayed."""
+    """10,000 hostile messages: wrong key, unsigned, cut short, tampered, replayed."""
     evil = _evil_run(marker)
+    bulk = _evil_bulk(marker)
     wrong = Sealer(WRONG)
     right = Sealer(KEY.encode())
     for i in range(10_000):
         match i % 10:
-            case 0 | 1 | 2 | 3 | 4 | 5:
+            case 0 | 1 | 2 | 3 | 4:
                 yield [bytes(f) for f in wrong.seal(evil)]
+            case 5:  # a bulk message sealed with the right key, then one byte changed
+                sealed = [bytearray(f) for f in right.seal(bulk)]
+                sealed[0][(i * 7919) % len(sealed[0])] ^= 1 << (i % 8)
+                yield [bytes(f) for f in sealed]
             case 6:
                 yield evil  # no tag at all
             case 7:  # a correctly sealed message cut short (the MAC no longer holds)
@@ -134,9 +148,8 @@ def alive(pid: int) -> bool:
 
 def the_pid(rt: of.Runtime) -> int:
     assert rt.remote is not None
-    [pid] = [
-        r.process.pid for r in rt.remote._replicas.values() if r.process is not None and r.alive
-    ]
+    replicas = rt.remote.fleet.replicas.values()
+    [pid] = [r.process.pid for r in replicas if r.process is not None and r.alive]
     return pid
 
 
@@ -147,7 +160,7 @@ async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(tmp_path
     marker = tmp_path / "pwned"
     async with front(mp.scale, of.Deploy({"r": {}})) as rt:
         assert rt.remote is not None
-        [rep] = rt.remote._replicas.values()
+        [rep] = rt.remote.fleet.replicas.values()
         pid = the_pid(rt)
         assert (await rt.run("mp_scale", {"x": 1}))["y"] == [1]
 

@@ -260,7 +260,7 @@ async def test_readyz_is_503_naming_a_role_whose_worker_died(tmp_path: Any) -> N
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             assert (await c.get("/readyz")).json() == {"status": "ready"}
             remote = app.state.omniflow.runtime.remote
-            rep = next(r for r in remote._replicas.values() if "echo" in r.roles)
+            rep = next(r for r in remote.fleet.replicas.values() if "echo" in r.roles)
             assert rep.process is not None
             os.kill(rep.process.pid, signal.SIGKILL)
             for _ in range(400):

@@ -170,6 +170,7 @@ async def test_a_slow_header_connection_is_closed(strict_server: ServerProc) -> 
         assert not sender.done() or sender.cancelled()  # closed long before the trickle ended
 
 
+@pytest.mark.slow
 async def test_idle_connections_are_closed(strict_server: ServerProc) -> None:
     async with raw(strict_server) as (reader, _writer):  # never sends a byte
         assert await closed_within(reader, 30)

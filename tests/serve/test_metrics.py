@@ -7,6 +7,7 @@ The app serves tests/runtime/dp_graphs.py with role ``dp_in`` in a worker proces
 from __future__ import annotations
 
 import base64
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import omniflow as of
+from omniflow.data._pool import SEGMENT_PREFIX_ENV
 
 from .conftest import ROOT, InProcess, metric
 
@@ -37,11 +39,12 @@ def pool(text: str) -> dict[str, float]:
 
 
 @pytest.fixture
-def no_leaked_segments() -> Iterator[None]:
+def no_leaked_segments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Ask for it before ``inproc``: checked after the app (and its worker) closed."""
-    before = set(Path("/dev/shm").glob("omniflow_*"))
+    prefix = f"omniflow_t{secrets.token_hex(4)}"  # this test's segments (its worker's too)
+    monkeypatch.setenv(SEGMENT_PREFIX_ENV, prefix)
     yield
-    assert set(Path("/dev/shm").glob("omniflow_*")) <= before
+    assert sorted(Path("/dev/shm").glob(f"{prefix}_*")) == []
 
 
 async def test_metrics_report_the_front_pool(

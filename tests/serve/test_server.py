@@ -201,6 +201,7 @@ async def _hammer(c: httpx.AsyncClient, n: int, concurrency: int) -> None:
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
+@pytest.mark.slow
 async def test_nothing_of_2000_finished_calls_stays_in_the_server(
     shared_server: ServerProc,
 ) -> None:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniflow import TransportError
 from omniflow.transport import encode
 from omniflow.transport._auth import (
+    BULK_BYTES,
     KEY_ENV,
     TAG_BYTES,
     Opener,
@@ -78,6 +82,105 @@ def test_the_mac_is_hmac_sha256(key: bytes, data: bytes) -> None:
     mac.update(data[:7])
     mac.update(data[7:])
     assert mac.digest() == hmac.new(key, data, hashlib.sha256).digest()
+
+
+# Bulk messages (BULK_BYTES and more in all): GMAC under a one-time key per message.
+_SIZES = st.lists(
+    st.one_of(st.integers(0, 64), st.integers(BULK_BYTES - 80, BULK_BYTES + 80),
+              st.integers(0, 3 * BULK_BYTES)),
+    min_size=1, max_size=4,
+)  # fmt: skip
+
+
+def _frames(sizes: list[int], seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(n) for n in sizes]
+
+
+def _reference_mac(key: bytes, sealed: list[bytes]) -> bytes:
+    """The MAC field, computed from the module docstring with hmac and AESGCM only."""
+    head, body = sealed[0][:18], [sealed[0][TAG_BYTES:], *sealed[1:]]
+    covered = head + b"".join(len(f).to_bytes(8, "big") + f for f in body)
+    if sum(map(len, body)) < BULK_BYTES:
+        return hmac.new(key, covered, hashlib.sha256).digest()
+    bulk_key = hmac.new(key, b"omniflow bulk-mac key v1", hashlib.sha256).digest()
+    one_time = hmac.new(bulk_key, head, hashlib.sha256).digest()
+    return AESGCM(one_time).encrypt(bytes(12), b"", covered) + bytes(16)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_SIZES, st.integers(0, 2**32))
+def test_the_mac_is_hmac_below_bulk_bytes_and_one_time_gmac_above(
+    sizes: list[int], seed: int
+) -> None:
+    frames = _frames(sizes, seed)
+    sealed = [bytes(f) for f in Sealer(KEY).seal(frames)]
+    assert sealed[0][:2] == b"OA" and len(sealed[0]) == TAG_BYTES + sizes[0]
+    assert sealed[0][18:TAG_BYTES] == _reference_mac(KEY, sealed)
+    assert [bytes(f) for f in Opener(KEY).open(sealed) or [None]] == frames
+
+
+@settings(max_examples=150, deadline=None)
+@given(_SIZES, st.integers(0, 2**32), st.data())
+def test_a_changed_byte_anywhere_in_a_bulk_message_is_refused(
+    sizes: list[int], seed: int, data: Any
+) -> None:
+    frames = _frames(sizes, seed)
+    sealed = [bytearray(f) for f in Sealer(KEY).seal(frames)]
+    i = data.draw(st.sampled_from([k for k, f in enumerate(sealed) if f]))
+    j = data.draw(st.integers(0, len(sealed[i]) - 1))
+    sealed[i][j] ^= 1 << data.draw(st.integers(0, 7))
+    opener = Opener(KEY)
+    assert opener.open([bytes(f) for f in sealed]) is None
+    assert opener.stats.dropped["bad_mac"] == 1 and opener.stats.accepted == 0
+
+
+def test_a_reused_counter_is_refused_in_bulk_messages_too() -> None:
+    sealer, opener = Sealer(KEY), Opener(KEY)
+    big = [b"h", bytes(range(256)) * 64]
+    first = sealer.seal(big)
+    assert opener.open(first) is not None
+    assert opener.open(first) is None  # the same message again
+    sealer._counter = 0  # a sender that starts its counter over (a bug, or a forged clone)
+    assert opener.open(sealer.seal(big)) is None  # counter 1 again, same bytes
+    sealer._counter = 0
+    assert opener.open(sealer.seal([b"other", b"x" * BULK_BYTES])) is None  # other bytes
+    assert opener.stats.dropped["replay"] == 3 and opener.stats.dropped["bad_mac"] == 0
+    # A tag moved onto another message, or a head given another counter, fails the MAC: the
+    # one-time key belongs to the head it was derived from.
+    other = [b"h", bytes(reversed(big[1]))]
+    a, b = bytes(sealer.seal(big)[0]), bytes(sealer.seal(other)[0])
+    assert opener.open([a[:TAG_BYTES] + b[TAG_BYTES:], other[1]]) is None  # a's tag on b
+    assert opener.open([b[:10] + a[10:18] + b[18:], other[1]]) is None  # b under a's counter
+    assert opener.open([b[:10] + (9).to_bytes(8, "big") + b[18:], other[1]]) is None
+    assert opener.stats.dropped["bad_mac"] == 3
+    assert opener.open([b, other[1]]) is not None
+
+
+def test_a_bulk_message_with_an_hmac_tag_is_refused() -> None:
+    """The MAC is chosen by length on both ends: no sender can pick the other one."""
+    frames = [b"h", b"z" * BULK_BYTES]
+    sealed = [bytes(f) for f in Sealer(KEY).seal(frames)]
+    head, body = sealed[0][:18], [sealed[0][TAG_BYTES:], *sealed[1:]]
+    covered = head + b"".join(len(f).to_bytes(8, "big") + f for f in body)
+    wrong = hmac.new(KEY, covered, hashlib.sha256).digest()
+    opener = Opener(KEY)
+    assert opener.open([head + wrong + body[0], body[1]]) is None
+    assert opener.open(sealed) is not None
+
+
+def test_bulk_frames_of_any_buffer_type_are_covered_without_a_copy() -> None:
+    import zmq
+
+    image = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    frames = [b"header", memoryview(image), np.zeros((0, 3)), memoryview(image.tobytes())]
+    sealed = Sealer(KEY).seal(frames)
+    received = [bytes(sealed[0]), *(zmq.Frame(image.tobytes()) for _ in range(2))]
+    received.insert(2, zmq.Frame(b""))
+    opened = Opener(KEY).open(received)
+    assert opened is not None and [bytes(f) for f in opened][1] == image.tobytes()
+    image[0, 0] = -1  # the same bytes as sent? no longer: the receiver refuses them
+    assert Opener(KEY).open([bytes(sealed[0]), *(bytes(memoryview(f)) for f in frames[1:])]) is None
 
 
 def test_a_wrong_key_and_a_missing_tag_are_refused() -> None:

@@ -1,8 +1,9 @@
 """The Global Params Pool: paged, tiered KV storage with shared metadata (CONTRACT section 7).
 
 Four layers, bottom up: the physical paging layer (``_layout``, ``_tiers``), the slot engine
-(``_sketch``, ``_slots``: a pure core), the metadata coordination (``_meta``, ``_redis``) and the
-data-flow loop in the shell (``_pool``, ``_pull``).
+(``_sketch``, ``_slots``: a pure core), the metadata coordination (``_meta``, ``_redis``,
+``_hosted``, ``_notice``) and the data-flow loop in the shell (``_shell`` -> ``_moves`` ->
+``_fetch`` -> ``_match`` -> ``_subscribe`` -> ``_pool``, and ``_pull``).
 """
 
 from omniflow._exceptions import PoolExhaustedError

@@ -33,14 +33,15 @@ __all__ = ["OPS", "HostedMetadata", "serve"]
 DEFAULT_TIMEOUT = 30.0
 
 # Argument kinds: s str, o str or None, l list of str, n list of (str or None), d dict
-# str -> str, i int, b bool.
+# str -> str, i int, b bool; those after "|" may be left out (a call from a worker that does
+# not use them reads as before).
 #: operation -> kinds of its arguments after the pool name.
 OPS: dict[str, str] = {
     "register": "sd",
     "nodes": "l",
     "publish": "soll",
     "provide": "sll",
-    "match": "ol",
+    "match": "ol|b",
     "evict": "sln",
     "lock": "ssl",
     "unlock": "ssl",
@@ -72,11 +73,14 @@ def _ok(kind: str, v: Any) -> bool:
 
 def check(op: str, args: Any) -> None:
     """DataError unless ``args`` are ``[pool, *arguments]`` of the metadata operation ``op``."""
-    kinds = OPS.get(op) if type(op) is str else None
-    if kinds is None:
+    spec = OPS.get(op) if type(op) is str else None
+    if spec is None:
         raise DataError(f"hosted metadata: unknown operation {op!r:.40}")
-    if type(args) is not list or len(args) != len(kinds) + 1 or type(args[0]) is not str:
-        raise DataError(f"hosted metadata: '{op}' takes a pool name and {len(kinds)} arguments")
+    need, _, optional = spec.partition("|")
+    n = len(args) - 1 if type(args) is list else -1
+    if not len(need) <= n <= len(need) + len(optional) or type(args[0]) is not str:
+        raise DataError(f"hosted metadata: '{op}' takes a pool name and {len(need)} arguments")
+    kinds = (need + optional)[:n]
     for i, (kind, v) in enumerate(zip(kinds, args[1:], strict=True)):
         if not _ok(kind, v):
             raise DataError(
@@ -134,7 +138,7 @@ class HostedMetadata(Metadata):
             fut.set_result(value)
 
     def listen(self, pool: str, node: str, callback: Notify) -> None:
-        self._listeners[pool] = callback
+        self._listeners[pool] = callback  # the worker's connection is sealed already
 
     def notify(self, pool: str, session: str | None, keys: list[str]) -> None:
         """A batch the front sent: pages published in a chain this process subscribed to."""
@@ -144,6 +148,11 @@ class HostedMetadata(Metadata):
 
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
         await self._call("subscribe", pool, node, session, on)
+
+    async def settle(self, pool: str) -> None:
+        """One round trip: the front sends a notification on this worker's connection inside
+        the publish, so it is here once the answer to a call made after the publish is."""
+        await self._call("nodes", pool, [])
 
     @property
     def pending(self) -> int:
@@ -188,9 +197,10 @@ class HostedMetadata(Metadata):
         return out
 
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        out: list[dict[str, str]] = await self._call("match", pool, session, list(keys))
+        args: list[Any] = [session, list(keys), True] if run else [session, list(keys)]
+        out: list[dict[str, str]] = await self._call("match", pool, *args)
         return out
 
     async def evict(

@@ -2,7 +2,7 @@
 
 Two backends with the same behaviour (``tests/data/test_kv_meta.py`` runs one suite on both):
 ``MemoryMetadata`` (one process, or hosted by the front) and ``RedisMetadata`` (``_redis.py``:
-every write one Lua script, every read one pipeline). Per pool:
+every write and every match one Lua script, other reads one pipeline). Per pool:
 
 - *chains*: a session's set of published page hashes (``None``: the public chain). A hash
   covers its whole prefix, so the longest prefix of a query is the run of its hashes that are
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from omniflow._exceptions import DataError
+if TYPE_CHECKING:
+    from omniflow.data.kv._notice import NoticeSeal
 
 __all__ = ["PUBLIC", "MemoryMetadata", "Metadata", "Notify"]
 
@@ -56,7 +58,8 @@ class Metadata(ABC):
     async def publish(
         self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
     ) -> None:
-        """Add ``keys`` to the session's chain and ``node`` as their provider (``locs``)."""
+        """Add ``keys`` to the session's chain and ``node`` as their provider (``locs``), and
+        notify the chain's subscribers of the pages that joined it."""
 
     @abstractmethod
     async def provide(
@@ -66,9 +69,11 @@ class Metadata(ABC):
 
     @abstractmethod
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        """Providers of the longest prefix of ``keys`` in the session's or the public chain."""
+        """Providers of the longest prefix of ``keys`` in the session's or the public chain;
+        with ``run`` (and a session) the session's run lock is taken (+1) in the same step,
+        so a caller's first match of a session is still one request."""
 
     @abstractmethod
     async def evict(
@@ -97,20 +102,25 @@ class Metadata(ABC):
     async def dump(self, pool: str) -> dict[str, object]:
         """Everything, for invariant checks in tests: chains, providers, locks, runs."""
 
+    def use_seal(self, pool: str, node: str, seal: NoticeSeal) -> None:
+        """The seal of ``node``'s notices where they cross an untrusted medium (Redis pub/sub):
+        it seals what ``node`` publishes and opens what it is notified of. In memory and
+        front-hosted, notices never leave trusted code: nothing to do."""
+        return None
+
+    @abstractmethod
     def listen(self, pool: str, node: str, callback: Notify) -> None:
         """Where ``node``'s notifications go in this process (``subscribe`` says which)."""
-        raise DataError(
-            f"pool '{pool}': publish notifications need the in-memory or front-hosted "
-            f"metadata; {type(self).__name__} does not deliver them yet"
-        )
 
+    @abstractmethod
     async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
         """Notify ``node`` (``on``) or stop notifying it of pages published in the session's
         chain (None: the public one); one batch per publish, never its own publishes."""
-        raise DataError(
-            f"pool '{pool}': publish notifications need the in-memory or front-hosted "
-            f"metadata; {type(self).__name__} does not deliver them yet"
-        )
+
+    async def settle(self, pool: str) -> None:
+        """Return once every notification of a publish that finished before this call has
+        reached this client's listeners (in memory: at once, they are called in the publish)."""
+        return None
 
     async def close(self) -> None:
         return None
@@ -204,9 +214,11 @@ class MemoryMetadata(Metadata):
         return out
 
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
         p = self._p(pool)
+        if run and session is not None:
+            p.runs[chain_name(session)] = p.runs.get(chain_name(session), 0) + 1
         mine = p.chains.get(chain_name(session), set())
         public = p.chains.get(PUBLIC, set())
         out = []

@@ -23,16 +23,13 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omniflow._exceptions import DataError, DataTimeoutError, RuntimeClosedError
 from omniflow.transport import bind, connect, decode_message, encode
 from omniflow.transport._auth import Opener, Sealer, WireStats
 
-if TYPE_CHECKING:
-    from omniflow.data.kv._pool import ParamsPool
-
-__all__ = ["PullClient", "PullServer"]
+__all__ = ["PageSource", "PullClient", "PullServer"]
 
 logger = logging.getLogger("omniflow.kv")
 
@@ -42,10 +39,19 @@ MAX_KEYS = 4096
 NONCE_BYTES = 16
 
 
+class PageSource(Protocol):
+    """What a pull server asks of its pool: who it is and the bytes of its pages."""
+
+    name: str
+    node: str
+
+    def serve_pages(self, keys: Sequence[str]) -> tuple[list[int], list[Any]]: ...
+
+
 class PullServer:
     """Answers authenticated pulls of this pool's pages from other nodes."""
 
-    def __init__(self, pool: ParamsPool, key: bytes, stats: WireStats) -> None:
+    def __init__(self, pool: PageSource, key: bytes, stats: WireStats) -> None:
         self._pool = pool
         self._stats = stats
         self._opener = Opener(key, stats)

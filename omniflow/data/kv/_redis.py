@@ -1,4 +1,5 @@
-"""The Params Pools' metadata in Redis: every write one Lua script, every read one pipeline.
+"""The Params Pools' metadata in Redis: every write and a match one Lua script, other reads one
+pipeline.
 
 Keys of pool ``p`` (prefix ``ofkv:{p}:``), all values plain strings (JSON for node records;
 nothing read from Redis is ever unpickled):
@@ -18,12 +19,23 @@ guarantees is in ``design/ARCHITECTURE.md`` ("Global Params Pool").
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import DataError
-from omniflow.data.kv._meta import PUBLIC, Metadata, chain_name
+from omniflow.data.kv._meta import PUBLIC, Metadata, Notify, chain_name
+
+if TYPE_CHECKING:
+    from omniflow.data.kv._notice import NoticeSeal
+
+logger = logging.getLogger("omniflow.kv")
+
+#: Seconds a subscribe or settle waits for Redis to confirm on the pub/sub connection.
+PUBSUB_TIMEOUT = 30.0
 
 __all__ = ["RedisMetadata"]
 
@@ -39,11 +51,13 @@ end
 #: ARGV: prefix, node, json
 REGISTER = "redis.call('HSET', ARGV[1] .. 'N', ARGV[2], ARGV[3]) return 1"
 
-#: ARGV: prefix, node, chain, key1, loc1, ... ; loc "" = chain only. A page joins a chain only
-#: while it has a provider, so no chain ever names a page nobody holds.
+#: ARGV: prefix, node, chain, notice, key1, loc1, ... ; loc "" = chain only. A page joins a
+#: chain only while it has a provider, so no chain ever names a page nobody holds. The chain's
+#: subscribers get one message: the indices of the pages that joined, then the sealed notice.
 PUBLISH = """
-local pre, node, chain = ARGV[1], ARGV[2], ARGV[3]
-for i = 4, #ARGV, 2 do
+local pre, node, chain, notice = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local joined = {}
+for i = 5, #ARGV, 2 do
   local key, loc = ARGV[i], ARGV[i + 1]
   if loc ~= '' then
     redis.call('HSET', pre .. 'P:' .. key, node, loc)
@@ -52,7 +66,11 @@ for i = 4, #ARGV, 2 do
   if redis.call('EXISTS', pre .. 'P:' .. key) == 1 then
     redis.call('SADD', pre .. 'C:' .. chain, key)
     redis.call('SADD', pre .. 'S:' .. key, chain)
+    joined[#joined + 1] = string.format('%d', (i - 5) / 2)
   end
+end
+if notice ~= '' and #joined > 0 then
+  redis.call('PUBLISH', pre .. 'notify:' .. chain, table.concat(joined, ',') .. '|' .. notice)
 end
 return 1
 """
@@ -145,6 +163,27 @@ end
 return 1
 """
 
+#: ARGV: prefix, chain, public chain, run ("1": take the chain's run lock), key1, ...
+#: Returns the providers (flat HGETALL lists) of the longest prefix of the keys that is in the
+#: chain or the public one and has a provider: a caller's whole match is this one request.
+MATCH = """
+local pre, chain, public = ARGV[1], ARGV[2], ARGV[3]
+if ARGV[4] == '1' then redis.call('HINCRBY', pre .. 'R', chain, 1) end
+local mine = pre .. 'C:' .. chain
+local pub = pre .. 'C:' .. public
+local out = {}
+for i = 5, #ARGV do
+  local key = ARGV[i]
+  if redis.call('SISMEMBER', mine, key) == 0 and redis.call('SISMEMBER', pub, key) == 0 then
+    break
+  end
+  local prov = redis.call('HGETALL', pre .. 'P:' .. key)
+  if #prov == 0 then break end
+  out[#out + 1] = prov
+end
+return out
+"""
+
 #: ARGV: prefix, chain, delta
 RUN = """
 local n = redis.call('HINCRBY', ARGV[1] .. 'R', ARGV[2], tonumber(ARGV[3]))
@@ -189,6 +228,7 @@ class RedisMetadata(Metadata):
                 "register": REGISTER,
                 "publish": PUBLISH,
                 "provide": PROVIDE,
+                "match": MATCH,
                 "evict": EVICT,
                 "lock": LOCK,
                 "unlock": UNLOCK,
@@ -197,10 +237,33 @@ class RedisMetadata(Metadata):
             }.items()
         }
         self.round_trips = 0
+        #: Whether the scripts were loaded into the server (once, by the first call).
+        self._loaded = False
+        #: (pool, node) -> the seal of its notices (seals its publishes, opens what it gets).
+        self._seals: dict[tuple[str, str], NoticeSeal] = {}
+        #: (pool, node) -> where its notifications go.
+        self._listeners: dict[tuple[str, str], Notify] = {}
+        #: pub/sub channel -> the (pool, node)s of this client subscribed to it, and session.
+        self._channels: dict[str, dict[tuple[str, str], str | None]] = {}
+        #: The pub/sub connection (made by the first subscribe) and the task reading it.
+        self._ps: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        #: (reply type, channel or ping token) -> who waits for Redis to confirm it.
+        self._waits: dict[tuple[str, str], asyncio.Future[None]] = {}
+        #: This client's own channel for ``settle`` tokens, and whether it is subscribed.
+        self._settle_channel = f"ofkv-settle:{secrets.token_hex(8)}"
+        self._settling = False
 
     async def _call(self, name: str, args: list[Any]) -> Any:
-        self.round_trips += 1
         try:
+            if not self._loaded:  # every script in one request, so no call pays a NOSCRIPT
+                self.round_trips += 1
+                pipe = self._r.pipeline(transaction=False)
+                for script in self._scripts.values():
+                    pipe.script_load(script.script)
+                await pipe.execute()
+                self._loaded = True
+            self.round_trips += 1
             return await self._scripts[name](keys=[], args=args)
         except OSError as exc:
             raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
@@ -236,7 +299,9 @@ class RedisMetadata(Metadata):
     async def publish(
         self, pool: str, node: str, session: str | None, keys: Sequence[str], locs: Sequence[str]
     ) -> None:
-        args: list[Any] = [self._pre(pool), node, chain_name(session)]
+        seal = self._seals.get((pool, node))
+        notice = seal.seal(session, keys) if seal is not None and keys else ""
+        args: list[Any] = [self._pre(pool), node, chain_name(session), notice]
         for key, loc in zip(keys, locs, strict=True):
             args += [key, loc]
         await self._call("publish", args)
@@ -252,29 +317,14 @@ class RedisMetadata(Metadata):
         return [bool(x) for x in await self._call("provide", args)]
 
     async def match(
-        self, pool: str, session: str | None, keys: Sequence[str]
+        self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
-        if not keys:
+        take = run and session is not None
+        if not keys and not take:
             return []
-        pre = self._pre(pool)
-        mine, public = pre + "C:" + chain_name(session), pre + "C:" + PUBLIC
-        pipe = self._r.pipeline(transaction=False)
-        for key in keys:
-            pipe.sismember(mine, key)
-            pipe.sismember(public, key)
-            pipe.hgetall(pre + "P:" + key)
-        self.round_trips += 1
-        try:
-            raw = await pipe.execute()
-        except OSError as exc:
-            raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
-        out = []
-        for i in range(len(keys)):
-            in_mine, in_public, prov = raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]
-            if not prov or not (in_mine or in_public):
-                break
-            out.append(dict(prov))
-        return out
+        args = [self._pre(pool), chain_name(session), PUBLIC, "1" if take else "0", *keys]
+        raw = await self._call("match", args)
+        return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in raw]
 
     async def evict(
         self, pool: str, node: str, keys: Sequence[str], locs: Sequence[str | None]
@@ -300,6 +350,11 @@ class RedisMetadata(Metadata):
 
     async def leave(self, pool: str, node: str) -> None:
         await self._call("leave", [self._pre(pool), node])
+        self._listeners.pop((pool, node), None)
+        self._seals.pop((pool, node), None)
+        for subs in list(self._channels.values()):
+            if (pool, node) in subs:
+                await self.subscribe(pool, node, subs[(pool, node)], False)
 
     async def dump(self, pool: str) -> dict[str, object]:
         pre = self._pre(pool)
@@ -320,5 +375,121 @@ class RedisMetadata(Metadata):
         runs = {k: int(v) for k, v in (await self._r.hgetall(pre + "R")).items()}
         return {"chains": chains, "providers": providers, "locks": locks, "runs": runs}
 
+    # -- publish notifications: Redis pub/sub, sealed by the publishing pool ------------------
+
+    def use_seal(self, pool: str, node: str, seal: NoticeSeal) -> None:
+        self._seals[(pool, node)] = seal
+
+    def listen(self, pool: str, node: str, callback: Notify) -> None:
+        if (pool, node) not in self._seals:
+            raise DataError(
+                f"pool '{pool}': notifications through Redis are sealed with the cluster key; "
+                "use_seal(pool, node, seal) before listen"
+            )
+        self._listeners[(pool, node)] = callback
+
+    async def subscribe(self, pool: str, node: str, session: str | None, on: bool) -> None:
+        channel = self._pre(pool) + "notify:" + chain_name(session)
+        subs = self._channels.get(channel, {})
+        if not on:
+            if subs.pop((pool, node), None) is not None and not subs:
+                del self._channels[channel]
+                await self._pubsub(lambda ps: ps.unsubscribe(channel))
+            return
+        if (pool, node) not in self._listeners:
+            raise DataError(f"pool '{pool}': subscribe of node {node} before listen")
+        self._channels[channel] = {**subs, (pool, node): session}
+        if not subs:  # the first of this client on the channel: subscribe, await Redis's yes
+            try:
+                await self._confirmed("subscribe", channel, lambda ps: ps.subscribe(channel))
+            except BaseException:
+                self._channels[channel].pop((pool, node), None)
+                if not self._channels[channel]:
+                    del self._channels[channel]
+                raise
+
+    async def settle(self, pool: str) -> None:
+        """A token published on a channel of this client's own: Redis delivers pub/sub
+        messages in the order it ran their PUBLISH, so every notice published before the
+        token has been delivered when the token arrives."""
+        if self._ps is None:
+            return
+        if not self._settling:
+            await self._confirmed(
+                "subscribe", self._settle_channel, lambda ps: ps.subscribe(self._settle_channel)
+            )
+            self._settling = True
+        token = secrets.token_hex(8)
+
+        async def send(_ps: Any) -> None:
+            await self._r.publish(self._settle_channel, token)
+
+        await self._confirmed("settle", token, send)
+
+    async def _confirmed(self, kind: str, token: str, send: Any) -> None:
+        fut = self._waits[(kind, token)] = asyncio.get_running_loop().create_future()
+        try:
+            await self._pubsub(send)
+            await asyncio.wait_for(asyncio.shield(fut), PUBSUB_TIMEOUT)
+        except TimeoutError:
+            raise DataError(
+                f"params pool metadata at {self.url}: no {kind} confirmation on the pub/sub "
+                f"connection within {PUBSUB_TIMEOUT} s"
+            ) from None
+        finally:
+            if self._waits.get((kind, token)) is fut:
+                del self._waits[(kind, token)]
+
+    async def _pubsub(self, send: Any) -> None:
+        if self._ps is None:
+            self._ps = self._r.pubsub()
+        try:
+            await send(self._ps)
+        except OSError as exc:
+            raise DataError(f"params pool metadata at {self.url} is unreachable: {exc}") from exc
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._ps))
+
+    async def _read(self, ps: Any) -> None:
+        """Deliver each notification to the listeners of its channel; resolve confirmations."""
+        while True:
+            try:
+                msg = await ps.get_message(timeout=None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the connection is gone: nobody waits forever
+                logger.warning("params pool metadata at %s: pub/sub ended: %s", self.url, exc)
+                for fut in self._waits.values():
+                    if not fut.done():
+                        fut.set_exception(DataError(f"pub/sub connection lost: {exc}"))
+                        fut.exception()  # retrieved: its waiter may have been cancelled
+                return
+            if msg is None:
+                continue
+            kind = msg.get("type")
+            if kind == "message" and msg.get("channel") == self._settle_channel:
+                kind = "settle"
+            elif kind == "message":
+                self._deliver(msg.get("channel"), msg.get("data"))
+                continue
+            token = msg.get("channel") if kind == "subscribe" else msg.get("data")
+            waiter = self._waits.get((str(kind), str(token)))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def _deliver(self, channel: Any, payload: Any) -> None:
+        for (pool, node), session in list(self._channels.get(channel, {}).items()):
+            callback, seal = self._listeners.get((pool, node)), self._seals.get((pool, node))
+            if callback is None or seal is None:
+                continue
+            keys = seal.open(session, payload)
+            if keys:
+                callback(pool, session, keys)
+
     async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._ps is not None:
+            await self._ps.aclose()
         await self._r.aclose()

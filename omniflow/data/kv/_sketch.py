@@ -1,7 +1,7 @@
 """TinyLFU's frequency estimate: a count-min sketch of 4-bit counters with periodic halving.
 
 >>> s = CountMinSketch(64)
->>> for _ in range(5): s.add("a")
+>>> for _ in range(5): _ = s.add("a")
 >>> s.estimate("a"), s.estimate("b")
 (5, 0)
 """

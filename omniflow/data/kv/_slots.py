@@ -251,6 +251,22 @@ class SlotCore:
         self._relevel(s, level_of(freq))
         self._age(s.tier)
 
+    def take(self, slots: Iterable[int], owner: str) -> None:
+        """``pin`` and ``touch`` a match's pages in one step (the LRU heads aged once per tier,
+        not once per page)."""
+        tiers = set()
+        held = self._by_owner.setdefault(owner, set())
+        for sid in slots:
+            s = self.slot(sid)
+            s.active.add(owner)
+            held.add(sid)
+            self._relevel(s, level_of(self.sketch.add(s.key if s.key is not None else f"#{sid}")))
+            tiers.add(s.tier)
+        if not held:
+            del self._by_owner[owner]
+        for tier in sorted(tiers):
+            self._age(tier)
+
     def _relevel(self, s: Slot, level: int) -> None:
         del self._lru[s.tier][s.level][s.slot]
         s.level = level
@@ -304,10 +320,13 @@ class SlotCore:
         """Room in L1 plus the moves of ``slots`` up into it, one batch (marks them
         ``readbacks``)."""
         wanted = [slots] if isinstance(slots, int) else list(slots)
-        pages = [self.slot(s) for s in wanted]
+        # Sources in (tier, index) order meet the granted indices in ascending order, so a
+        # run of pages that lies contiguous below lands contiguous in L1: one slice copy per
+        # run and (sub, slice) instead of a gather of scattered pages.
+        pages = sorted((self.slot(s) for s in wanted), key=lambda p: (p.tier, p.index))
         ex = set(exclude) | set(wanted)
         plan = self.plan_room(L1, len(pages), exclude=ex, nodrop=nodrop)
-        for page, (tier, index) in zip(pages, plan.granted, strict=True):
+        for page, (tier, index) in zip(pages, sorted(plan.granted), strict=True):
             plan.moves.append(Move(page, tier, index, frees_src=True))
             page.readbacks.add(plan.task)
         plan.granted = []

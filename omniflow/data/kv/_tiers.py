@@ -128,8 +128,9 @@ class TierStore:
         order = sorted(groups, key=lambda sd: (sd[1] < sd[0], -sd[0]))
         for src, dst in order:
             pairs = groups[(src, dst)]
+            runs = Runs(pairs)
             for c in self._stores[L1]:
-                copy_pages(self._stores[src][c], self._stores[dst][c], pairs)
+                runs.apply(self._stores[src][c], self._stores[dst][c])
             moved += len(pairs) * self.layout.page_bytes
         return moved
 
@@ -216,21 +217,39 @@ def _run_start(indices: Sequence[int]) -> int | None:
     return first if all(v == first + k for k, v in enumerate(indices)) else None
 
 
-def copy_pages(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
-    """``dst[d] = src[s]`` for each pair: contiguous runs copied as slices, else one gather."""
-    runs: list[list[int]] = []  # [s0, d0, length]
-    for s, d in sorted(pairs):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    if len(runs) <= _MAX_RUNS:
-        for s, d, n in runs:
-            dst[d : d + n].copy_(src[s : s + n], non_blocking=False)
-        return
-    sidx = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src.device)
-    didx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst.device)
-    dst.index_copy_(0, didx, src.index_select(0, sidx).to(dst.device))
+class Runs:
+    """The pairs ``(src, dst)`` of one tier-to-tier batch as contiguous runs, worked out once
+    for every (sub_name, slice) they are applied to: at most ``_MAX_RUNS`` runs are copied as
+    slices (one ``copy_`` each), more as one gather (``index_select`` + ``index_copy_``)."""
+
+    __slots__ = ("_idx", "runs")
+
+    def __init__(self, pairs: Sequence[tuple[int, int]]) -> None:
+        runs: list[list[int]] = []  # [s0, d0, length]
+        for s, d in sorted(pairs):
+            if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, d, 1])
+        #: ``(src_start, dst_start, length)`` per run, in source order.
+        self.runs = [(s, d, n) for s, d, n in runs]
+        self._idx: tuple[torch.Tensor, torch.Tensor] | None = None
+        if len(runs) > _MAX_RUNS:
+            self._idx = (
+                torch.tensor([s for s, _ in pairs], dtype=torch.long),
+                torch.tensor([d for _, d in pairs], dtype=torch.long),
+            )
+
+    def apply(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst[d] = src[s]`` for every pair."""
+        if self._idx is None:
+            for s, d, n in self.runs:
+                dst[d : d + n].copy_(src[s : s + n])
+            return
+        sidx, didx = self._idx
+        dst.index_copy_(
+            0, didx.to(dst.device), src.index_select(0, sidx.to(src.device)).to(dst.device)
+        )
 
 
 class ForeignL2:

@@ -1,0 +1,453 @@
+"""What every engine of ours shares: weights, the pool, and the batching loop (the async shell).
+
+>>> # class MyEngine(EngineBase[MyRequest, MyOutput, MyStream]):
+>>> #     architectures = frozenset({"MyArch"})
+>>> #     def _load_model(self): ...            # on the engine's thread
+>>> #     def _build(self, model, pool): ...    # runner + pure scheduler over the pool
+>>> #     async def _admit(self, request): ...  # request -> stream (matching, pins)
+>>> #     async def _plan(self): ...            # schedule + allocate pages
+>>> #     def _step(self, plan): ...            # one forward pass, on the engine's thread
+>>> #     def _apply(self, plan, result): ...   # outputs -> streams
+
+``TorchEngine`` (the Llama-family LLM) and ``DiTEngine`` (denoising on the LLM path) are both
+subclasses: one checkpoint loader (a safetensors directory whose ``config.json`` names the
+architecture), one way to get the KV ``ParamsPool`` (an object, a graph's pool by name, a private
+one, or a seat at a co-located ``KvPoolBarrier``), and one loop: drain releases, plan a step,
+run it on the engine's single thread (the event loop keeps serving), hand the results to the
+streams. Subclasses decide what a sequence is and what a step computes; the decisions stay in
+their pure schedulers.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
+
+import torch
+
+from omniflow.compute._colocate import PoolSeat
+from omniflow.compute._errors import EngineError, ModelLoadError
+from omniflow.compute._kv import PagePool
+
+__all__ = ["EngineBase", "Outbox", "engine_for_architecture", "read_architectures"]
+
+#: architecture name (config.json "architectures") -> the engine class that runs it
+_ENGINES: dict[str, type[EngineBase[Any, Any, Any]]] = {}
+
+
+class _Output(Protocol):
+    @property
+    def finished(self) -> bool: ...
+
+
+class _Seq(Protocol):
+    request_id: str
+    finish_reason: str | None
+
+
+SeqT = TypeVar("SeqT")
+
+
+class StreamLike(Protocol):
+    """A request's outbox, as the base loop sees it (``_stream.Stream`` for the LLM)."""
+
+    seq: Any  #: the engine's record (``request_id``, ``finish_reason``)
+    closed: bool  #: no more outputs will be computed
+    final: Any  #: the last output, delivered after the pages are released/published
+    released: asyncio.Event  #: set once the pool slots are released
+
+    def push(self, out: Any) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+    async def next(self) -> Any: ...
+
+
+class Outbox(Generic[SeqT]):
+    """The plainest ``StreamLike``: outputs queued as the loop pushes them (the DiT's)."""
+
+    __slots__ = ("_queue", "closed", "final", "released", "seq")
+
+    def __init__(self, seq: SeqT) -> None:
+        self.seq = seq  #: the engine's record
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.closed = False  #: no more outputs will be computed
+        self.final: Any = None  #: the last output, delivered after the pins are released
+        self.released = asyncio.Event()  #: set once the pool slots are released
+
+    def push(self, out: Any) -> None:
+        self._queue.put_nowait(out)
+
+    def fail(self, exc: BaseException) -> None:
+        self._queue.put_nowait(exc)
+
+    async def next(self) -> Any:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class _Scheduler(Protocol):
+    def has_work(self) -> bool: ...
+
+    def remove(self, seq: Any) -> None: ...
+
+
+ReqT = TypeVar("ReqT")
+OutT = TypeVar("OutT", bound=_Output)
+StreamT = TypeVar("StreamT", bound=StreamLike)
+
+
+def read_architectures(model_dir: str | Path) -> tuple[str, ...]:
+    """The ``architectures`` a checkpoint's ``config.json`` names (empty when it names none)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelLoadError(
+            f"model directory {str(model_dir)!r} has no config.json; point the engine at a "
+            "Hugging Face-format directory (config.json, *.safetensors; tokenizer.json for an "
+            "LLM)",
+            path=str(model_dir),
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    return tuple(a for a in archs or () if isinstance(a, str))
+
+
+def engine_for_architecture(model_dir: str | Path) -> type[EngineBase[Any, Any, Any]] | None:
+    """The engine class that runs ``model_dir`` by its config's architecture, if one claims it."""
+    for arch in read_architectures(model_dir):
+        if arch in _ENGINES:
+            return _ENGINES[arch]
+    return None
+
+
+class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
+    """Lifecycle, pool access and the step loop shared by our engines.
+
+    ``pool``: a ``ParamsPool``; the name of one declared in the graph (looked up in the role's
+    context at ``start()``); a ``KvPoolBarrier.member(role, pages)`` seat (the co-located pool,
+    decided once every member loaded its weights); or None for a private pool of
+    ``pool_pages`` L1 pages.
+    """
+
+    #: config.json architectures this engine runs (others are refused with the right class)
+    architectures: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for arch in cls.__dict__.get("architectures", ()):
+            _ENGINES[arch] = cls
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        pool: Any = None,
+        max_batch: int = 16,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        page_tokens: int = 16,
+        pool_pages: int = 4096,
+    ) -> None:
+        self.model_dir = Path(model_dir)  #: the checkpoint directory
+        self.max_batch = max_batch  #: sequences computed together
+        self.device, self.dtype = device, dtype  #: as requested ("auto" resolved at start)
+        self.page_tokens = page_tokens  #: tokens per KV page (a private pool's layout)
+        self.pool_pages = pool_pages  #: L1 pages of a private pool
+        self._pool_arg = pool
+        self._seat = pool if isinstance(pool, PoolSeat) else None  #: a co-located pool's seat
+        self.kv_pool: PagePool | None = None  #: the ParamsPool in use once started
+        self._streams: dict[str, StreamT] = {}  #: request_id -> live stream
+        self._release: list[StreamT] = []  #: finished/aborted, slots to publish/free
+        self._inflight: set[str] = set()  #: request ids in the running step
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._start_lock = asyncio.Lock()
+        self._ready: asyncio.Future[None] | None = None  #: done once pool and runner exist
+        self._sched: _Scheduler | None = None  #: the subclass's pure scheduler, once built
+        self._stopped = False
+        self._own_pool = False  #: the engine made its pool (and closes it at stop)
+        self.steps = 0  #: forward passes run (observability)
+
+    # ---- what a subclass provides ----------------------------------------------------------
+    @abc.abstractmethod
+    def _load_model(self) -> Any:
+        """Read the checkpoint (on the engine's thread); the model has ``cfg``, ``device``,
+        ``dtype``, and ``cfg`` has ``num_layers``, ``num_kv_heads``, ``head_dim``."""
+
+    def _loaded(self, model: Any) -> None:
+        """After the weights are loaded, before the pool exists (e.g. read the tokenizer)."""
+
+    @abc.abstractmethod
+    def _build(self, model: Any, pool: PagePool) -> _Scheduler:
+        """Make the runner over ``pool``; return the pure scheduler."""
+
+    @abc.abstractmethod
+    async def _admit(self, request: ReqT) -> StreamT:
+        """Validate, build the sequence, match/pin its pages, add it to the scheduler."""
+
+    @abc.abstractmethod
+    async def _plan(self) -> Any:
+        """The next step's plan (scheduled, pages allocated); falsy when nothing can run."""
+
+    @abc.abstractmethod
+    def _plan_ids(self, plan: Any) -> set[str]:
+        """Request ids computed by ``plan``."""
+
+    @abc.abstractmethod
+    def _step(self, plan: Any) -> Any:
+        """One forward pass (on the engine's thread)."""
+
+    @abc.abstractmethod
+    def _apply(self, plan: Any, result: Any) -> None:
+        """Turn a step's result into outputs (and finish sequences)."""
+
+    @abc.abstractmethod
+    def _plan_seqs(self, plan: Any) -> list[Any]:
+        """The sequences of ``plan`` (failed together when the forward pass raises)."""
+
+    async def _on_release(self, stream: StreamT) -> None:
+        """Before a finished/aborted sequence's pins are released (e.g. publish its pages)."""
+
+    def _detach(self, request_id: str) -> None:
+        """Forget a released sequence's runner state."""
+
+    def _between_steps(self) -> None:
+        """After releases, before the next plan (e.g. inputs that arrived for open requests)."""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load weights and get the pool (idempotent; a role calls it from ``setup()``).
+
+        With a ``KvPoolBarrier`` seat, ``start`` returns once the weights are loaded and the
+        proposal is made; requests wait until every co-located member has proposed."""
+        async with self._start_lock:
+            if self._task is not None:
+                return
+            if self._stopped:
+                raise EngineError(f"engine for {str(self.model_dir)!r} was stopped; make a new one")
+            loop = asyncio.get_running_loop()
+            self._ready = loop.create_future()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="omniflow-engine")
+            seat = self._seat
+            try:
+                self._check_architecture()
+                model = await loop.run_in_executor(self._executor, self._load_model)
+                self._loaded(model)
+                if seat is not None:
+                    seat.propose()  # weights are in: the barrier may size the pool now
+                else:
+                    await self._open(model)
+            except BaseException as exc:
+                if seat is not None:
+                    seat.abort(exc)  # partners waiting at the barrier fail now, not at timeout
+                self._executor.shutdown(wait=False)
+                self._executor, self._ready = None, None  # start() may be retried
+                raise
+            self._task = loop.create_task(self._run(model), name="omniflow-engine-loop")
+            self._task.add_done_callback(self._loop_ended)
+
+    def _check_architecture(self) -> None:
+        """Refuse a checkpoint another engine claims, naming that engine. Architectures nobody
+        claims are left to the loader (``TorchEngine`` goes by ``model_type``, so old spellings
+        such as ``LLaMAForCausalLM`` still load)."""
+        archs = read_architectures(self.model_dir)
+        other = engine_for_architecture(self.model_dir)
+        if other is None or set(archs) & self.architectures or issubclass(type(self), other):
+            return
+        raise ModelLoadError(
+            f"{self.model_dir / 'config.json'} names architectures {list(archs)}, which "
+            f"{type(self).__name__} does not run; run it with {other.__name__}",
+            path=str(self.model_dir),
+        )
+
+    async def _open(self, model: Any) -> None:
+        """Resolve the pool, build the runner and the scheduler; the engine is then ready."""
+        from omniflow.compute._pool import resolve_pool
+
+        if self._ready is None or self._ready.done():
+            return
+        self.kv_pool = await resolve_pool(self, model)
+        layout = getattr(self.kv_pool, "layout", None)
+        self.page_tokens = int(getattr(layout, "page_tokens", self.page_tokens))
+        self._sched = self._build(model, self.kv_pool)
+        self._ready.set_result(None)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """If the step loop dies, every waiting caller gets the error instead of hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = EngineError(f"the engine's step loop failed: {task.exception()!r}")
+        exc.__cause__ = task.exception()
+        self._task = None
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(exc)
+            self._ready.exception()  # retrieved here; waiters get it re-raised
+        for stream in list(self._streams.values()):
+            stream.fail(exc)
+            stream.released.set()
+
+    async def stop(self) -> None:
+        """Abort everything and free the engine's resources."""
+        self._stopped = True
+        task, self._task = self._task, None
+        for stream in list(self._streams.values()):
+            stream.fail(EngineError("the engine was stopped"))
+            self._cancel(stream)
+        self._wake.set()
+        if self._ready is not None and not self._ready.done():  # still waiting at a barrier
+            self._ready.set_exception(EngineError("the engine was stopped"))
+            self._ready.exception()  # retrieved here; waiters get it re-raised
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if self.kv_pool is not None:
+                await self._drain_releases()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._own_pool and self.kv_pool is not None:
+            await self.kv_pool.aclose()  # type: ignore[attr-defined]
+        if self._seat is not None:
+            await self._seat.leave()  # the last co-located engine to stop closes the pool
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(self, request: ReqT) -> AsyncIterator[OutT]:
+        """The request's outputs as they are computed; leaving the iterator aborts it."""
+        stream = await self._submit(request)
+        async with contextlib.aclosing(self._deliver(stream)) as outs:  # closed with this one
+            async for out in outs:
+                yield out
+
+    async def _deliver(self, stream: StreamT) -> AsyncGenerator[OutT, None]:
+        """A stream's outputs up to the last; leaving early aborts the request, and returns only
+        once its slots are back in the pool."""
+        try:
+            while True:
+                out = await stream.next()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not stream.closed:
+                self._cancel(stream)
+                self._wake.set()
+            # Leaving the iterator returns only once the request's slots are back in the pool.
+            await stream.released.wait()
+
+    async def _submit(self, request: ReqT) -> StreamT:
+        if self._task is None or self._ready is None:
+            raise EngineError("the engine is not started; await engine.start() first")
+        await asyncio.shield(self._ready)  # a co-located pool: until every member proposed
+        return await self._admit(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its slots are freed by the end of the running step."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(EngineError(f"request {request_id!r} was aborted"))
+            self._cancel(stream)
+            self._wake.set()
+
+    def _cancel(self, stream: StreamT) -> None:
+        if stream.closed:
+            return
+        stream.closed = True
+        stream.seq.finish_reason = stream.seq.finish_reason or "abort"
+        if self._sched is not None:
+            self._sched.remove(stream.seq)
+        self._release.append(stream)
+
+    def _finish(self, stream: StreamT, final: Any) -> None:
+        """``stream``'s sequence is done; ``final`` is delivered once its pins are released."""
+        assert self._sched is not None
+        self._sched.remove(stream.seq)
+        stream.closed = True
+        stream.final = final
+        self._release.append(stream)
+
+    def _fail(self, seq: _Seq, exc: BaseException) -> None:
+        stream = self._streams.get(seq.request_id)
+        if stream is not None:
+            stream.fail(exc)
+            self._cancel(stream)
+
+    # ---- the step loop ---------------------------------------------------------------------
+    async def _run(self, model: Any) -> None:
+        await self._open_seat(model)
+        assert self._sched is not None
+        sched = self._sched
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._drain_releases()
+            self._between_steps()
+            if not sched.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = await self._plan()
+            if not plan:
+                continue
+            self._inflight = self._plan_ids(plan)
+            try:
+                result = await loop.run_in_executor(self._executor, self._step, plan)
+            except Exception as exc:  # a model error fails the step's requests, not the engine
+                for seq in self._plan_seqs(plan):
+                    self._fail(seq, EngineError(f"forward pass failed: {exc!r}"))
+                continue
+            finally:
+                self._inflight = set()
+            self.steps += 1
+            self._apply(plan, result)
+
+    async def _open_seat(self, model: Any) -> None:
+        """With a barrier seat: wait for the co-located pool, then open it."""
+        if self._seat is not None and self._ready is not None and not self._ready.done():
+            self._pool_arg = await self._seat.wait()
+            await self._open(model)
+
+    async def _drain_releases(self) -> None:
+        """Publish/free every released sequence's slots, then deliver its last output."""
+        assert self.kv_pool is not None
+        while self._release:
+            stream = self._release.pop(0)
+            seq = stream.seq
+            if seq.request_id in self._inflight:  # pragma: no cover - loop is between steps
+                self._release.append(stream)
+                return
+            try:
+                if stream.final is not None:
+                    await self._on_release(stream)
+            finally:
+                await self.kv_pool.release(seq.request_id)
+                self._detach(seq.request_id)
+                self._streams.pop(seq.request_id, None)
+                if stream.final is not None:
+                    stream.push(stream.final)
+                stream.released.set()
+
+    def _running_counts(self) -> dict[str, int]:
+        sched: Any = self._sched
+        return {
+            "running": len(sched.running) if sched is not None else 0,
+            "waiting": len(sched.waiting) if sched is not None else 0,
+            "steps": self.steps,
+        }

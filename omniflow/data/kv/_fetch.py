@@ -1,0 +1,187 @@
+"""Pages a pool does not hold: viewed in another process's L2 on this host, or pulled.
+
+The first requester of a missing page fetches it, concurrent ones await its future. A run of
+pages is fetched from one provider: on the same host, if the provider holds it in L2, the pages
+are locked there and viewed in place (*foreign* slots: no byte copied); otherwise a
+search-transfer-release pull (lock, reserve L1 slots, one sealed request, write, unlock,
+``provide``). ``serve_pages`` is the other side of a pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from omniflow._exceptions import DataError, PoolExhaustedError
+from omniflow.data.kv._moves import PoolMoves
+from omniflow.data.kv._shell import Foreign, loc, parse_loc
+from omniflow.data.kv._slots import L1, L2
+
+logger = logging.getLogger("omniflow.kv")
+
+__all__ = ["PoolFetch"]
+
+
+class PoolFetch(PoolMoves):
+    """Fetching pages of other processes and serving this one's."""
+
+    async def _fetch(
+        self, keys: list[str], providers: list[dict[str, str]], owner: str, local: bool = False
+    ) -> list[int]:
+        """Pages this process does not hold, as a prefix of ``keys``: viewed in place from
+        another process's L2 on this host, or pulled (one request) from another node. The
+        first requester of a page fetches it; concurrent ones await its future."""
+        futs: dict[str, asyncio.Future[int | None]] = {}
+        loop = asyncio.get_running_loop()
+        for key in keys:
+            futs[key] = self._inflight[key] = loop.create_future()
+        self.counters["misses"] += len(keys)
+        got: list[int] = []
+        try:
+            got = await self._fetch_from_one(keys, providers, owner, local)
+        except PoolExhaustedError:
+            raise
+        except (DataError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise DataError(
+                f"pool '{self.name}': fetching {len(keys)} pages failed: {exc!r}"
+            ) from exc
+        finally:
+            for j, key in enumerate(keys):
+                futs[key].set_result(got[j] if j < len(got) else None)
+                if self._inflight.get(key) is futs[key]:
+                    del self._inflight[key]
+        return got
+
+    async def _fetch_from_one(
+        self, keys: list[str], providers: list[dict[str, str]], owner: str, local: bool = False
+    ) -> list[int]:
+        usable = {n: loc for n, loc in providers[0].items() if loc[:1].isdigit() and n != self.node}
+        if not usable:
+            return []
+        infos = await self._node_infos(sorted(usable))
+        ranked = sorted(usable, key=lambda n: (infos.get(n, {}).get("host") != self.host, n))
+        for provider in ranked:
+            info = infos.get(provider)
+            if info is None or info.get("lid") != self.layout.layout_id:
+                continue
+            # The run this provider can serve: every page it is listed for, in order.
+            n = 1
+            while n < len(keys) and providers[n].get(provider, "m")[:1].isdigit():
+                n += 1
+            try:
+                tier, _, _ = parse_loc(usable[provider])
+            except ValueError:  # a malformed location in the metadata: not a provider
+                continue
+            if not local and info.get("host") == self.host and info.get("shm") and tier == L2:
+                got = await self._share(keys[:n], provider, info, owner)
+            elif info.get("addr") and self._client is not None:
+                got = await self._pull(keys[:n], provider, info, owner)
+            else:
+                continue
+            if got:
+                return got
+        return []
+
+    async def _share(
+        self, keys: list[str], provider: str, info: dict[str, str], owner: str
+    ) -> list[int]:
+        """Lock the provider's L2 replicas and view them in place (no copy of page bytes)."""
+        _, meta, _ = self._ready()
+        locs = await meta.lock(self.name, self.node, provider, keys)
+        pages = [self._l2_page(loc, info) for loc in locs]
+        n = 0
+        while n < len(pages) and pages[n] is not None:  # in this provider's l2 (and in range)
+            n += 1
+        extra = [k for k, loc in zip(keys[n:], locs[n:], strict=True) if loc is not None]
+        if extra:  # moved since the match or past the run: not ours to hold
+            await meta.unlock(self.name, self.node, provider, extra)
+        if provider not in self._attached and n:
+            from omniflow.data.kv._tiers import ForeignL2
+
+            self._attached[provider] = ForeignL2(self.layout, info["shm"], int(info["l2"]))
+        out = []
+        for key, page in zip(keys[:n], pages[:n], strict=True):
+            assert page is not None
+            index, fill = page
+            slot = next(self._foreign_ids)
+            f = self._foreign[slot] = Foreign(provider, index, key, fill)
+            f.owners.add(owner)
+            self._owner_foreign.setdefault(owner, set()).add(slot)
+            out.append(slot)
+        self.counters["shared"] += n
+        return out
+
+    def _l2_page(self, loc: str | None, info: Mapping[str, str]) -> tuple[int, int] | None:
+        """``(index, fill)`` of a location in a provider's L2 that lies inside it, else None
+        (locations come from the metadata: never index past the mapped segment)."""
+        try:
+            tier, index, fill = parse_loc(loc or "")
+            l2 = int(info.get("l2", "0"))
+        except ValueError:
+            return None
+        ok = tier == L2 and 0 <= index < l2 and 0 <= fill <= self.layout.page_tokens
+        return (index, fill) if ok else None
+
+    async def _pull(
+        self, keys: list[str], provider: str, info: dict[str, str], owner: str
+    ) -> list[int]:
+        """Search-transfer-release: lock the remote replicas, pull their bytes into L1 in one
+        request, unlock, and register this pool as a provider too."""
+        store, meta, lock = self._ready()
+        locs = await meta.lock(self.name, self.node, provider, keys)
+        n = 0
+        while n < len(locs) and locs[n] is not None:
+            n += 1
+        locked = [k for k, loc in zip(keys, locs, strict=True) if loc is not None]
+        slots: list[int] = []
+        k = 0
+        task = self._core.new_task("pull")
+        try:
+            if not n:
+                return []
+            async with lock:
+                plan = await self._planned(
+                    lambda ex, nd: self._core.plan_room(L1, n, exclude=ex, nodrop=nd)
+                )
+                slots = self._core.new_slots(owner, plan)
+                for slot in slots:
+                    self._core.mark(slot, "writes", task)
+            assert self._client is not None
+            try:
+                fills, data = await self._client.pull(info["addr"], self.name, provider, keys[:n])
+                if not all(0 <= f <= self.layout.page_tokens for f in fills):
+                    raise DataError(f"pool '{self.name}': a pull answer has fills out of range")
+                if fills:
+                    indices = [self._core.slot(s).index for s in slots[: len(fills)]]
+                    self.counters["bytes_moved"] += store.write_in(L1, indices, data)
+                    for slot, fill in zip(slots, fills, strict=False):
+                        self._core.slot(slot).fill = fill
+                k = len(fills)
+            except Exception as exc:
+                # No authentic, well-formed answer (a provider without this cluster key, gone,
+                # or refusing): nothing of it is used; the pages are a miss, recomputed.
+                self.counters["pull_failures"] += 1
+                logger.warning("pool '%s': pull from %s failed: %s", self.name, provider, exc)
+        finally:
+            for slot in slots:
+                self._core.unmark(slot, "writes", task)
+            if locked:
+                await meta.unlock(self.name, self.node, provider, locked)
+        ok, extra = slots[:k], slots[k:]
+        for slot in extra:  # the provider lost them in between: give the slots back
+            self._core.unpin(slot, owner)
+        mine = [
+            s
+            for s, key in zip(ok, keys, strict=False)
+            if self._core.publish(s, key, self._core.slot(s).fill)
+        ]
+        if mine:
+            await meta.provide(
+                self.name, self.node, [self._core.slot(s).key or "" for s in mine],
+                [loc(L1, self._core.slot(s).index, self._core.slot(s).fill) for s in mine],
+            )  # fmt: skip
+        self.counters["pulled"] += len(ok)
+        return ok

@@ -1,0 +1,391 @@
+"""The Params Pool's state and lifecycle: open, keys, signed node records, serving pulls.
+
+``ParamsPool`` is built in layers, each a class over the one below, each one responsibility
+(a layer calls only down): ``PoolShell`` (this: state, open/close, the cluster key, node
+records, the pages a pull asks for) -> ``PoolMoves`` (``_moves``: plans cleared with the
+metadata, allocation, readback) -> ``PoolFetch`` (``_fetch``: pages of other processes, viewed
+in place or pulled) -> ``PoolMatch`` (``_match``: match, pins, release) ->
+``PoolSubscriptions`` (``_subscribe``: publish notifications and preload) -> ``ParamsPool``
+(``_pool``: the public surface).
+
+The shell owns everything with a side effect: the tensors (``_tiers``), the metadata backend
+(``_meta`` / ``_redis`` / ``_hosted``), the pull server and client (``_pull``), the asyncio
+lock that makes each plan-copy-commit atomic, the in-flight futures that deduplicate concurrent
+misses, and the zero-copy attachments of other processes' L2 on this host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from omniflow._exceptions import DataError, RuntimeClosedError
+from omniflow.data.kv._layout import PageLayout
+from omniflow.data.kv._meta import MemoryMetadata, Metadata
+from omniflow.data.kv._notice import NoticeSeal
+from omniflow.data.kv._slots import TIERS, SlotCore
+from omniflow.transport._auth import KEY_ENV, WireStats, generate_key, resolve_key
+
+if TYPE_CHECKING:  # torch is imported when a pool opens, not with omniflow
+    import torch
+
+    from omniflow.data.kv._tiers import ForeignL2, TierStore
+
+
+__all__ = ["HOST", "PoolShell"]
+
+HOST = socket.gethostname()
+#: Foreign slots (another process's L2 page, viewed in place) get ids from here up.
+_FOREIGN_BASE = 1 << 40
+
+
+def loc(tier: int, index: int, fill: int) -> str:
+    """A replica's location in the metadata."""
+    return f"{tier}:{index}:{fill}"
+
+
+def parse_loc(text: str) -> tuple[int, int, int]:
+    tier, index, fill = text.split(":")
+    return int(tier), int(index), int(fill)
+
+
+def check_owner(pool: str, owner: Any) -> str:
+    if not isinstance(owner, str) or not owner:
+        raise DataError(
+            f"pool '{pool}': an owner must be a non-empty str (a call id), got {owner!r}"
+        )
+    return owner
+
+
+class Foreign:
+    """A page of another process's L2 on this host, viewed in place and locked for readers."""
+
+    __slots__ = ("fill", "index", "key", "owners", "provider")
+
+    def __init__(self, provider: str, index: int, key: str, fill: int) -> None:
+        #: The node whose L2 holds it, the index there, its hash and fill.
+        self.provider = provider
+        self.index = index
+        self.key = key
+        self.fill = fill
+        #: Owners here that pin it (the replica lock is given back when none is left).
+        self.owners: set[str] = set()
+
+
+class PoolShell:
+    """State, open/close and keys of a ``ParamsPool`` (its constructor is this one)."""
+
+    def __init__(
+        self,
+        name: str,
+        layout: PageLayout,
+        capacity: Mapping[str, int] | None = None,
+        l3_dir: str | None = None,
+        metadata: str | Metadata | None = None,
+        *,
+        device: str | torch.device | None = None,
+        serve_pulls: bool | None = None,
+        pull_bind: str = "tcp://127.0.0.1:0",
+        host: str | None = None,
+        cluster_key: str | bytes | None = None,
+        pull_timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise DataError(f"ParamsPool name must be a non-empty str, got {name!r}")
+        if not isinstance(layout, PageLayout):
+            raise DataError(f"pool '{name}': layout must be an omniflow.PageLayout")
+        cap = dict(capacity or {"l1": 512, "l2": 4096, "l3": 0})
+        unknown = set(cap) - set(TIERS)
+        if unknown:
+            raise DataError(f"pool '{name}': capacity has unknown tiers {sorted(unknown)}")
+        if metadata is not None and not isinstance(metadata, Metadata | str):
+            raise DataError(f"pool '{name}': metadata must be None or a 'redis://' URL")
+        if isinstance(metadata, str) and not metadata.startswith(("redis://", "rediss://")):
+            raise DataError(f"pool '{name}': metadata must be a redis:// URL, got {metadata!r}")
+        self.name = name
+        self.layout = layout
+        self.capacity = {t: int(cap.get(t, 0)) for t in TIERS}
+        self.l3_dir = l3_dir
+        self.metadata = metadata
+        self._device = device
+        #: Where the pull server binds (loopback unless told; port 0: any free port).
+        self.pull_bind = pull_bind
+        self._serve = serve_pulls if serve_pulls is not None else metadata is not None
+        self._serve_said = serve_pulls
+        #: The backend used when ``metadata`` is None (``use_metadata``: the front's).
+        self._hosted: Metadata | None = None
+        #: The node this pool says it runs on: pools on one node share L2 in place, others pull.
+        self.host = host or HOST
+        #: This pool instance's id in the metadata (host, process, random).
+        self.node = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._core = SlotCore(self.capacity, name=name)
+        self._store: TierStore | None = None
+        self._meta: Metadata | None = None
+        self._lock: asyncio.Lock | None = None
+        self._opening: asyncio.Future[None] | None = None
+        self._closed = False
+        self._inflight: dict[str, asyncio.Future[int | None]] = {}
+        self._foreign: dict[int, Foreign] = {}
+        self._foreign_ids = iter(range(_FOREIGN_BASE, 1 << 62))
+        self._attached: dict[str, ForeignL2] = {}
+        #: Node records of other pools (immutable per node id), cached.
+        self._infos: dict[str, dict[str, str]] = {}
+        self._owner_foreign: dict[str, set[int]] = {}
+        #: owner -> sessions whose run lock the owner holds.
+        self._runs: dict[str, set[str]] = {}
+        self._server: Any = None
+        self._client: Any = None
+        self.counters = {
+            "hits": 0, "misses": 0, "bytes_moved": 0, "pulled": 0, "shared": 0,
+            "notified": 0, "preloaded": 0, "pull_failures": 0, "forged_records": 0,
+        }  # fmt: skip
+        #: Subscribed chains (session; None: public) -> preload their published pages.
+        self._subs: dict[str | None, bool] = {}
+        #: The latest notification batches (session, hashes), newest last.
+        self.notices: collections.deque[tuple[str | None, list[str]]] = collections.deque(maxlen=64)
+        self._preloads: set[asyncio.Task[None]] = set()
+        #: Longest wait for a pull's answer before the pages count as a miss.
+        self.pull_timeout = pull_timeout
+        #: The cluster key that seals pulls (None: resolved at open, see ``set_cluster_key``).
+        self._key: bytes | None = resolve_key(cluster_key)[0] if cluster_key is not None else None
+        self._key_given = cluster_key is not None
+        #: This node's record (signed when registered) and whether a new key must re-sign it.
+        self._info: dict[str, str] | None = None
+        self._resign = False
+        #: Pull requests and answers accepted and dropped (bad MAC, replay, malformed, ...).
+        self.wire = WireStats()
+        #: Publish notifications (through Redis) accepted and dropped, likewise.
+        self.notice_wire = WireStats()
+        #: Seals the notices of this pool's publishes, opens those it gets (made at open).
+        self._seal: NoticeSeal | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Allocate the tiers and register with the metadata (done by the first call anyway)."""
+        if self._closed:
+            raise RuntimeClosedError(f"pool '{self.name}' is closed")
+        if self._store is not None:
+            return
+        if self._opening is not None:
+            return await asyncio.shield(self._opening)
+        self._opening = asyncio.get_running_loop().create_future()
+        try:
+            self._lock = asyncio.Lock()
+            meta = self.metadata
+            if meta is None:
+                self._meta = self._hosted or MemoryMetadata()
+            elif isinstance(meta, str):
+                from omniflow.data.kv._redis import RedisMetadata
+
+                self._meta = RedisMetadata(meta)
+            else:
+                self._meta = meta
+            from omniflow.data.kv._tiers import TierStore
+
+            prefix = f"ofkv_{self.name[:16]}_{secrets.token_hex(5)}"
+            store = TierStore(
+                self.layout,
+                [self.capacity[t] for t in TIERS],
+                prefix=prefix,
+                l3_dir=self.l3_dir,
+                device=self._device,
+            )
+            address = ""
+            if self._serve:
+                from omniflow.data.kv._pull import PullClient, PullServer
+
+                key = self._cluster_key()
+                self._server = PullServer(self, key, self.wire)
+                address = await self._server.start(self.pull_bind)
+                self._client = PullClient(key, self.wire, timeout=self.pull_timeout)
+            info = {
+                "host": self.host,
+                "pid": str(os.getpid()),
+                "shm": prefix if self.capacity["l2"] else "",
+                "l2": str(self.capacity["l2"]),
+                "addr": address,
+                "layout": self.layout.canonical_json(),
+                "lid": self.layout.layout_id,
+            }
+            self._info = info
+            self._seal = NoticeSeal(self.name, self.node, self._cluster_key(), self.notice_wire)
+            self._meta.use_seal(self.name, self.node, self._seal)
+            await self._meta.register(self.name, self.node, self._signed(info))
+            self._store = store
+            self._opening.set_result(None)
+        except BaseException as exc:
+            self._opening.set_exception(exc)
+            self._opening.exception()  # retrieved: the caller gets it raised
+            self._opening = None
+            raise
+
+    def set_cluster_key(self, key: str | bytes) -> None:
+        """Seal pulls with ``key``: the runtime (or worker) hosting this pool gives it the
+        deployment's cluster key. A key given to the pool itself wins; a different one is an
+        error, since its pulls with the runtime's workers would all fail."""
+        raw = resolve_key(key)[0]
+        if self._key_given:
+            if raw != self._key:
+                raise DataError(
+                    f"pool '{self.name}' was given a cluster_key that is not the one of the "
+                    "runtime hosting it; give the pool none (it takes the runtime's) or the same"
+                )
+            return
+        if raw == self._key:
+            return
+        self._key = raw
+        self._resign = self._info is not None
+        if self._server is not None:
+            self._server.rekey(raw)
+        if self._client is not None:
+            self._client.rekey(raw)
+        if self._seal is not None:
+            self._seal.rekey(raw)
+
+    def _cluster_key(self) -> bytes:
+        if self._key is None:
+            env = os.environ.get(KEY_ENV)
+            self._key = resolve_key(env)[0] if env else _process_key()
+        return self._key
+
+    async def aclose(self) -> None:
+        """Leave the metadata, stop serving pulls, free every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._preloads):
+            task.cancel()
+        await asyncio.gather(*list(self._preloads), return_exceptions=True)
+        if self._server is not None:
+            await self._server.close()
+        if self._client is not None:
+            self._client.close()
+        try:
+            if self._meta is not None:
+                try:
+                    await self._meta.leave(self.name, self.node)
+                finally:
+                    if isinstance(self.metadata, str):
+                        await self._meta.close()
+        finally:  # the memory is freed even when the metadata is unreachable
+            for att in self._attached.values():
+                att.close()
+            self._attached.clear()
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def use_metadata(self, meta: Metadata) -> bool:
+        """Use ``meta`` (the metadata its runtime's front hosts) where ``metadata`` is None;
+        the pool then serves pulls to other processes unless ``serve_pulls`` said otherwise.
+        Takes effect when the pool opens; False (nothing changed) for an open pool or one
+        with its own metadata."""
+        if self.metadata is not None or self._store is not None or self._opening is not None:
+            return False
+        self._hosted = meta
+        if self._serve_said is None:
+            self._serve = True
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _ready(self) -> tuple[TierStore, Metadata, asyncio.Lock]:
+        if self._closed:
+            raise RuntimeClosedError(f"pool '{self.name}' is closed")
+        assert self._store is not None and self._meta is not None and self._lock is not None
+        return self._store, self._meta, self._lock
+
+    async def _open(self) -> tuple[TierStore, Metadata, asyncio.Lock]:
+        if self._store is None:
+            await self.open()
+        if (
+            self._resign and self._meta is not None and self._info is not None
+        ):  # rekeyed: sign the node record again
+            self._resign = False
+            self._infos.clear()
+            await self._meta.register(self.name, self.node, self._signed(self._info))
+        return self._ready()
+
+    def _ready_or_raise(self) -> tuple[TierStore, Metadata, asyncio.Lock]:
+        if self._store is None and not self._closed:
+            raise DataError(f"pool '{self.name}': no page allocated yet (alloc or match first)")
+        return self._ready()
+
+    def _slot(self, slot: int) -> Any:
+        try:
+            return self._core.slot(slot)
+        except KeyError:
+            raise DataError(
+                f"pool '{self.name}': slot {slot} is not live (released and evicted, or never "
+                "allocated); match the chain again to get a live slot"
+            ) from None
+
+    # -- signed node records ------------------------------------------------------------------
+
+    async def _node_infos(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Node records of ``names`` whose MAC under the cluster key holds (the others are
+        counted as forged and never used: no pull to their address, no view of their shm)."""
+        _, meta, _ = self._ready()
+        missing = [n for n in names if n not in self._infos]
+        if missing:
+            for node, info in (await meta.nodes(self.name, missing)).items():
+                record = dict(info)
+                mac = record.pop("mac", "")
+                if hmac.compare_digest(mac, self._record_mac(node, record)):
+                    self._infos[node] = record
+                else:
+                    self.counters["forged_records"] += 1
+        return {n: self._infos[n] for n in names if n in self._infos}
+
+    def _record_mac(self, node: str, info: Mapping[str, str]) -> str:
+        doc = json.dumps([self.name, node, sorted(info.items())], separators=(",", ":"))
+        return hmac.new(self._cluster_key(), doc.encode(), hashlib.sha256).hexdigest()
+
+    def _signed(self, info: dict[str, str]) -> dict[str, str]:
+        """This node's record with its MAC under the cluster key (checked by every reader)."""
+        return {**info, "mac": self._record_mac(self.node, info)}
+
+    # -- serving pulls -----------------------------------------------------------------------
+
+    def serve_pages(self, keys: Sequence[str]) -> tuple[list[int], list[memoryview]]:
+        """The bytes of the local pages ``keys`` (a pull from another node); stops at a miss."""
+        store, _, _ = self._ready()
+        found = []
+        for key in keys:
+            s = self._core.lookup(key)
+            if s is None:
+                break
+            found.append(s)
+        if not found:
+            return [], []
+        by_tier: dict[int, list[int]] = {}
+        for s in found:
+            by_tier.setdefault(s.tier, []).append(s.index)
+        if len(by_tier) == 1:
+            ((tier, indices),) = by_tier.items()
+            data = store.read_out(tier, indices)
+        else:
+            data = store.read_mixed([(s.tier, s.index) for s in found])
+        return [s.fill for s in found], data
+
+
+_PROCESS_KEY: list[bytes] = []
+
+
+def _process_key() -> bytes:
+    """The key of pools given none, with no ``$OMNIFLOW_CLUSTER_KEY`` and no runtime: one per
+    process (its pools pull from each other; no other process knows it)."""
+    if not _PROCESS_KEY:
+        _PROCESS_KEY.append(generate_key())
+    return _PROCESS_KEY[0]

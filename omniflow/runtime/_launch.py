@@ -1,0 +1,172 @@
+"""How a replica process is started: the launcher seam of the multi-process runtime.
+
+>>> launcher = SubprocessLauncher()                          # doctest: +SKIP
+>>> handle = await launcher.start(spec)                      # doctest: +SKIP
+>>> handle.address, handle.pid                               # doctest: +SKIP
+('ipc:///tmp/omniflow-x/w0.sock', 4242)
+
+``RemoteRoles`` (``_remote``) asks a :class:`Launcher` to start one replica per slot of each
+process group and then talks to it only over the authenticated wire, at ``handle.address``.
+A launcher owns nothing else: it starts a replica, says whether it still runs, waits for its
+end, and kills it. :class:`SubprocessLauncher` (``omniflow worker`` as a child process on this
+host) is the default; ``_ray.RayLauncher`` (``placement=of.Ray(...)``: a Ray actor per
+replica, in its placement-group bundle) plugs in with the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from omniflow.transport._auth import KEY_ENV
+
+__all__ = ["LaunchSpec", "Launcher", "ReplicaHandle", "SubprocessHandle", "SubprocessLauncher"]
+
+#: Environment variable naming the file where a worker writes why it could not start.
+START_ERROR_ENV = "OMNIFLOW_START_ERROR_FILE"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """Everything a launcher needs to start one replica of a process group."""
+
+    #: Unique among every replica the front knows (registry ones included).
+    replica_id: str
+    #: The process group's name, its roles and the graph modules that declare them.
+    group: str
+    roles: tuple[str, ...]
+    modules: tuple[str, ...]
+    #: A number unique to this start within the front (names its socket).
+    index: int
+    #: A private directory of the front for sockets and start-error files.
+    workdir: str
+    #: The front's token: only a front that says it may stop the worker.
+    owner: str
+    heartbeat_interval: float
+    registry_url: str | None
+    #: The deployment's key; never on a command line.
+    cluster_key: bytes
+    #: The slot of the group this replica fills (a restart fills the dead one's slot again:
+    #: a launcher that keeps per-slot state, such as a Ray actor, reuses it).
+    slot: int = 0
+
+
+class ReplicaHandle(ABC):
+    """A started replica: where to connect, whether it runs, how it ended."""
+
+    #: Where the replica's worker binds (``ipc://``, ``tcp://``).
+    address: str
+
+    @property
+    @abstractmethod
+    def pid(self) -> int | None:
+        """Its process id, where the launcher knows one."""
+
+    @property
+    @abstractmethod
+    def returncode(self) -> int | None:
+        """Its exit code once it ended; None while it runs."""
+
+    @abstractmethod
+    async def wait(self) -> int:
+        """Wait for its end; the exit code."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop it now, without a word (it must not come back half-alive)."""
+
+    def start_error(self) -> str | None:
+        """Why it failed to start, as the replica wrote it (a failed ``setup()``, a bad
+        module), or None."""
+        return None
+
+
+class Launcher(ABC):
+    """Starts replicas of process groups; see the module docstring."""
+
+    @abstractmethod
+    async def start(self, spec: LaunchSpec) -> ReplicaHandle:
+        """Start one replica; returns once it is started (not once it is ready)."""
+
+    def alive(self, handle: ReplicaHandle) -> bool:
+        return handle.returncode is None
+
+    async def stop(self, handle: ReplicaHandle, grace: float) -> None:
+        """Wait ``grace`` seconds for a replica asked to stop (over the wire) to exit, then
+        kill it."""
+        if not self.alive(handle):
+            return
+        try:
+            await asyncio.wait_for(handle.wait(), grace)
+        except TimeoutError:
+            handle.kill()
+            await handle.wait()
+
+    async def close(self) -> None:
+        """Release what the launcher itself holds, once every replica it started is stopped
+        (nothing for subprocesses; placement groups and actors for Ray)."""
+        return None
+
+
+class SubprocessHandle(ReplicaHandle):
+    """A worker started as a child process of the front."""
+
+    def __init__(self, process: asyncio.subprocess.Process, address: str, err_file: str):
+        self.process = process
+        self.address = address
+        #: Where the worker writes why it could not start.
+        self.err_file = err_file
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    async def wait(self) -> int:
+        return await self.process.wait()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGKILL)
+
+    def start_error(self) -> str | None:
+        with contextlib.suppress(OSError), open(self.err_file) as f:
+            return f.read(4000).strip() or None
+        return None
+
+
+class SubprocessLauncher(Launcher):
+    """``python -m omniflow worker`` as a child process, bound to a socket in the front's
+    private directory."""
+
+    async def start(self, spec: LaunchSpec) -> SubprocessHandle:
+        address = f"ipc://{spec.workdir}/w{spec.index}.sock"
+        err_file = os.path.join(spec.workdir, f"{spec.replica_id}.err")
+        cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
+        for role in spec.roles:
+            cmd += ["--role", role]
+        # --parent-pid: the worker leaves when this process is gone (it runs in a session
+        # of its own, so nothing else would stop it after a crash of the front). --owner:
+        # only this front may stop it. The key goes in the environment, never in argv.
+        cmd += ["--bind", address, "--replica-id", spec.replica_id]
+        cmd += ["--parent-pid", str(os.getpid()), "--owner", spec.owner]
+        cmd += ["--heartbeat", str(spec.heartbeat_interval)]
+        if spec.registry_url:
+            cmd += ["--registry", spec.registry_url]
+        # The cluster key travels in the environment (never argv), with the file where the
+        # worker writes why it could not start (a failed setup(), a bad module).
+        env = {**os.environ, KEY_ENV: spec.cluster_key.decode(), START_ERROR_ENV: err_file}
+        # A session of its own: Ctrl-C in the front's terminal must not kill the workers
+        # before the front drains; the front stops them itself.
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env
+        )
+        return SubprocessHandle(proc, address, err_file)
