@@ -5,33 +5,56 @@ bucket's diamond root in the arriving frame's table (the paper's activation id, 
 path from the same root frame lands in the same bucket). Join nodes (activate_by_count) use the
 call's own entry, so all their inputs of a call meet in one bucket.
 
-``evaluate`` is pure: given what arrived and which slots have ended it says WAIT, FIRE (with
-the keyword arguments) or DEAD (with the reason).
+``evaluate`` is pure: given what arrived and which nodes still hold live work under the
+bucket's key it answers a ``Verdict``: ``Fire(kwargs)``, ``Dead(reason)`` or ``WAIT``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from omniflow.dsl._role import _All
 from omniflow.plan._plan import NodeSpec, StaticPlan
 from omniflow.runtime._liveness import FRAME, Entry, Table
 
 __all__ = [
-    "DEAD",
-    "FIRE",
     "WAIT",
     "Bucket",
     "BucketSpec",
+    "Dead",
     "FieldSpec",
+    "Fire",
+    "Verdict",
+    "Wait",
     "bucket_specs",
     "quiescent_pick",
     "rule_error",
 ]
 
-WAIT, FIRE, DEAD = "wait", "fire", "dead"
+
+class Fire(NamedTuple):
+    """The bucket is complete: run its node's method with these keyword arguments."""
+
+    kwargs: dict[str, Any]
+
+
+class Dead(NamedTuple):
+    """The bucket can never fire (an input ended with no frame, or it broke a rule)."""
+
+    reason: str
+
+
+class Wait(NamedTuple):
+    """An input may still arrive: decide later."""
+
+
+#: The one ``Wait`` verdict.
+WAIT = Wait()
+
+#: What a bucket's evaluation says.
+Verdict = Fire | Dead | Wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +96,8 @@ class BucketSpec:
     root: str
     fields: tuple[FieldSpec, ...]
     by_field: dict[str, FieldSpec]
-    #: For each source: the nodes from which it can still be reached (itself included).
-    feeders: dict[str, frozenset[str]]
-    #: For each field: the union of its sources' feeders.
+    #: For each field: the nodes whose live work under the bucket's key can still bring one
+    #: of its sources a frame keeping that key (``FRAME`` included).
     field_feeders: dict[str, frozenset[str]]
     is_join: bool
     #: The bucket itself is live at its node: discount it when asking about its own slots.
@@ -93,12 +115,11 @@ class BucketSpec:
 
 
 def bucket_specs(
-    plan: StaticPlan, roots: dict[tuple[str, int], str] | None = None
+    plan: StaticPlan, roots: dict[tuple[str, int], str]
 ) -> dict[tuple[str, int], BucketSpec]:
-    """Precompute a BucketSpec for every bucket of the plan; ``roots`` overrides the plan's
-    diamond roots (the runtime keys buckets of once-per-call roots by the call's entry)."""
-    if roots is None:
-        roots = plan.diamond_roots
+    """Precompute a BucketSpec for every bucket of the plan; ``roots``: the root each bucket
+    is keyed by (the plan's diamond roots, except that the runtime keys buckets of
+    once-per-call roots by the call's entry: ``_compiled``)."""
     feeders: dict[str, frozenset[str]] = {}
     for src in {s for slots in plan.slots.values() for _f, s in slots}:
         feeders[src] = frozenset(m for m, r in plan.reach.items() if src in r)
@@ -157,7 +178,6 @@ def bucket_specs(
             root=root,
             fields=tuple(fields),
             by_field={fs.name: fs for fs in fields},
-            feeders=src_feeders,
             field_feeders=field_feeders,
             is_join=spec.is_join,
             discount={node: 1},
@@ -239,25 +259,33 @@ class Bucket:
                 return True
         return False
 
-    def refresh_live(self, live: Any, dropped: Sequence[str] | None) -> str | None:
-        """``refresh`` against liveness counts directly (the core's hot path)."""
-        if not self.open:
+    def refresh(
+        self, counts: Mapping[str, int] | None, dropped: Sequence[str] | None
+    ) -> str | None:
+        """Settle every open field whose slots have all ended; return why the bucket is DEAD,
+        if it is. ``counts``: live work per node under the bucket's key (the liveness counts;
+        the bucket itself is discounted at its own node). A field has ended when none of those
+        nodes can still feed it. ``dropped``: nodes whose live work under the key just ended,
+        so only fields they feed can have ended (None: check every open field, as at
+        creation). Ending is final, so ``open`` stays exact as long as every liveness drop
+        under the key is passed here."""
+        open_ = self.open
+        if not open_:
             return None
         spec = self.spec
         if dropped is None:
-            candidates = list(self.open)
-        else:  # only fields the dropped nodes feed can have ended
+            candidates = list(open_)
+        else:
             feeds = spec.feeds
-            candidates = [
-                name for name in self.open if any(name in feeds.get(n, ()) for n in dropped)
-            ]
+            candidates = [name for name in open_ if any(name in feeds.get(n, ()) for n in dropped)]
             if not candidates:
                 return None
-        # Nodes that still hold live work under our key (ourselves discounted): a field has
-        # ended when none of them can still feed it. One pass over the counts, then set tests.
-        counts = live.counts.get(self.key)
-        discount = spec.discount
-        alive = {n for n, c in counts.items() if c > discount.get(n, 0)} if counts else set()
+        # One pass over the counts, then set tests.
+        if counts:
+            discount = spec.discount
+            alive = {n for n, c in counts.items() if c > discount.get(n, 0)}
+        else:
+            alive = set()
         ff = spec.field_feeders
         for name in candidates:
             if not ff[name].isdisjoint(alive):
@@ -286,39 +314,14 @@ class Bucket:
         self.open.discard(name)
         return None
 
-    def refresh(self, ended: Callable[[str], bool], dropped: Sequence[str] | None) -> str | None:
-        """Settle every open field whose slots have all ended; ``dropped``: only fields those
-        nodes can feed (None: every open field, as at creation). Ending is final, so the
-        ``open`` set stays exact as long as every liveness drop under the key is passed
-        here. Returns why the bucket is DEAD, if it is."""
-        if not self.open:
-            return None
-        spec = self.spec
-        ff = spec.field_feeders
-        for name in list(self.open):
-            if dropped is not None:
-                feeders = ff[name]
-                for n in dropped:
-                    if n in feeders:
-                        break
-                else:
-                    continue
-            fs = spec.by_field[name]
-            if all(ended(s) for s in fs.sources):
-                reason = self._ended(name)
-                if reason is not None:
-                    return reason
-        return None
-
-    def decide(self) -> tuple[str, Any]:
-        """From what arrived and what settled: WAIT, (FIRE, kwargs) or (DEAD, reason)."""
+    def decide(self) -> Verdict:
+        """From what arrived and what settled: ``WAIT``, ``Fire(kwargs)`` or ``Dead(reason)``."""
         if self.open:
-            return WAIT, None
+            return WAIT
         if not self.arrivals:
-            return DEAD, "every input ended without a frame"
+            return Dead("every input ended without a frame")
         frames = self.frames
-        kwargs = {fs.name: _settled_value(fs, frames.get(fs.name)) for fs in self.spec.fields}
-        return FIRE, kwargs
+        return Fire({fs.name: _settled_value(fs, frames.get(fs.name)) for fs in self.spec.fields})
 
     def could_fire_now(self, fs: FieldSpec) -> bool:
         """After a frame of ``fs`` arrived: can the bucket fire without waiting for a slot to
@@ -327,12 +330,12 @@ class Bucket:
         return not fs.ends_only and not self.open
 
     def evaluate(
-        self, ended: Callable[[str], bool], dropped: Sequence[str] | None = None
-    ) -> tuple[str, Any]:
-        """WAIT, (FIRE, kwargs) or (DEAD, reason). ``ended(source)`` says a slot has ended."""
-        reason = self.refresh(ended, dropped)
+        self, counts: Mapping[str, int] | None, dropped: Sequence[str] | None = None
+    ) -> Verdict:
+        """``refresh`` then ``decide``: ``WAIT``, ``Fire(kwargs)`` or ``Dead(reason)``."""
+        reason = self.refresh(counts, dropped)
         if reason is not None:
-            return DEAD, reason
+            return Dead(reason)
         return self.decide()
 
 
@@ -341,9 +344,7 @@ def _settled_value(fs: FieldSpec, lst: list[tuple[Any, Any]] | None) -> Any:
     the list."""
     if fs.mode == "plain":
         return lst[0][1] if lst else None
-    if fs.mode == "count" and fs.threshold is not None and lst and len(lst) > fs.threshold:
-        lst = sorted(lst, key=lambda kv: kv[0])[: fs.threshold]
-        return [v for _k, v in lst]
+    # A count field never holds more than its threshold (``add`` refuses the frame after).
     return _ordered(lst)
 
 

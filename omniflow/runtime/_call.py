@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import NodeError
 
 if TYPE_CHECKING:
-    from omniflow.runtime._core import CallCore
+    from omniflow.runtime._core import Activation, CallCore
     from omniflow.runtime._params import SessionParams
     from omniflow.runtime._runtime import Runtime
 
@@ -63,6 +64,12 @@ class Call:
         self._done = asyncio.Event()
         #: The scheduling core while the call runs (None before start and after the end).
         self.core: CallCore | None = None
+        #: The shell's side of the call (the core never sees these): activations handed out
+        #: to run and not started yet, the task (or remote handle) of each suspended one, and
+        #: start times while metrics are on.
+        self._ready: deque[Activation] = deque()
+        self._tasks: dict[Activation, Any] = {}
+        self._t0: dict[Activation, float] = {}
         #: "pending", "running", then "ok" | "error" | "cancelled".
         self.status = "pending"
         #: Node errors of the call (kind "error" or "cancel").
@@ -93,10 +100,17 @@ class Call:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _push(self, frames: list[tuple[str, Any, str, int]]) -> None:
+    def _push(self, frames: Sequence[tuple[str, Any, str, int]]) -> None:
         append = self._frames.append
         for f, v, n, s in frames:
-            append(Frame(f, v, n, s))
+            # ``Frame(f, v, n, s)`` without the frozen dataclass's four ``object.__setattr__``
+            # calls (once per frame a caller receives).
+            fr = _alloc(Frame)
+            _set_field(fr, f)
+            _set_value(fr, v)
+            _set_node(fr, n)
+            _set_seq(fr, s)
+            append(fr)
         self._wake()
 
     def _wake(self) -> None:
@@ -220,3 +234,9 @@ class _Frames:
 
 
 _NEW, _READING, _CLOSED = "new", "reading", "closed"
+
+_alloc = object.__new__
+# The slot descriptors of Frame's fields (set once, on a new Frame, before anyone sees it).
+_set_field, _set_value, _set_node, _set_seq = (
+    vars(Frame)[name].__set__ for name in ("field", "value", "node", "seq")
+)

@@ -10,27 +10,25 @@ from omniflow.plan._plan import NodeSpec, StaticPlan
 from omniflow.runtime._buckets import BucketSpec, bucket_specs
 from omniflow.runtime._liveness import FRAME
 
-__all__ = ["Compiled", "Route", "compile_plan", "once_per_call"]
+__all__ = ["Compiled", "Fanout", "Route", "compile_plan", "once_per_call"]
 
-#: One consumer of a (node, field): (dst node, or_group, bucket spec or None for direct fire).
-Route = tuple[str, int, BucketSpec | None]
+#: One consumer of a (node, field): (dst node, or_group, bucket spec or None for direct fire,
+#: direct: a direct fire that is admitted straight to running, with no latch to pair).
+Route = tuple[str, int, BucketSpec | None, bool]
+#: Everything a frame of one (node, field) goes to: (routes, the nodes that latch the field,
+#: whether it goes back to the caller).
+Fanout = tuple[tuple[Route, ...], tuple[str, ...], bool]
 
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
     plan: StaticPlan
-    #: (src, field) -> consumers.
-    routes: dict[tuple[str, str], tuple[Route, ...]]
-    #: node -> its outputs that go back to the caller.
-    to_caller: dict[str, frozenset[str]]
     #: Nodes that stamp a new entry on their outgoing frames (diamond roots, seq producers).
     stamping: frozenset[str]
     #: Nodes whose frames start a SeqId stream (generators, lb="session"), and "<input>".
     seq_nodes: frozenset[str]
-    #: Caller field -> nodes from which one of its producers can still be reached.
-    out_feeders: dict[str, frozenset[str]]
-    #: Node -> nodes from which it can be reached (itself included).
-    feeders: dict[str, frozenset[str]]
+    #: (node, latched field) -> nodes from which a producer of the field can be reached.
+    latch_feeders: dict[tuple[str, str], frozenset[str]]
     #: Caller field -> nodes whose live work can still produce a frame of it that keeps the
     #: SeqId entry of that work (paths free of SeqId producers, which restamp what they make,
     #: plus everything between a bucket's root and its sources: a bucket takes its root's SeqId).
@@ -56,14 +54,14 @@ class Compiled:
     throttled: dict[str, int]
     #: Nodes admitted straight to running: not on a cycle, not lb="session", not throttled.
     unconstrained: frozenset[str] = frozenset()
-    #: src -> field -> consumers (``routes`` by source, for a lookup without a key tuple).
-    routes_of: dict[str, dict[str, tuple[Route, ...]]] = field(default_factory=dict)
-    #: src ("<input>" too) -> its fields that go to the caller.
-    caller_fields: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: src ("<input>" too) -> field -> where its frames go (by source then field: one lookup
+    #: per field on the hot path; a field nobody consumes has no entry).
+    fanout: dict[str, dict[str, Fanout]] = field(default_factory=dict)
     #: Nodes that hold buckets.
     bucket_nodes: frozenset[str] = frozenset()
-    #: src -> latched field -> the nodes that latch it (``latch=``; no route in ``routes``).
-    latch_routes: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    #: Something reads the liveness counts (a bucket, a SeqId stream, a latch); otherwise the
+    #: core keeps none (``Uncounted``).
+    counted: bool = True
     #: (node, or_group) -> its latched fields, for groups that have any.
     latch_of: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
 
@@ -145,27 +143,45 @@ def compile_plan(plan: StaticPlan) -> Compiled:
     roots = {bg: "<input>" if r in single else r for bg, r in plan.diamond_roots.items()}
     bspecs = bucket_specs(plan, roots)
     routes: dict[tuple[str, str], list[Route]] = {}
+    unconstrained = frozenset(
+        n
+        for n, sp in plan.specs.items()
+        if n not in plan.cycle_nodes and sp.lb != "session" and sp.max_concurrency is None
+    )
+    latch_of = {
+        (n, g): tuple(f for f in grp if f in sp.latch)
+        for n, sp in plan.specs.items()
+        for g, grp in enumerate(sp.groups)
+        if sp.latch.intersection(grp)
+    }
     latch_routes: dict[str, dict[str, set[str]]] = {}
     for src, lst in plan.ctrl_edges.items():
         for dst, g, f in lst:
             if f in plan.specs[dst].latch:
                 latch_routes.setdefault(src, {}).setdefault(f, set()).add(dst)
                 continue
-            routes.setdefault((src, f), []).append((dst, g, bspecs.get((dst, g))))
+            bspec = bspecs.get((dst, g))
+            direct = bspec is None and dst in unconstrained and (dst, g) not in latch_of
+            routes.setdefault((src, f), []).append((dst, g, bspec, direct))
     to_caller: dict[str, set[str]] = {}
     for f, srcs in plan.output_producers.items():
         for s in srcs:
             to_caller.setdefault(s, set()).add(f)
-    routes_of: dict[str, dict[str, tuple[Route, ...]]] = {n: {} for n in ("<input>", *plan.nodes)}
-    for (src, f), rs in routes.items():
-        routes_of[src][f] = tuple(rs)
+    fanout: dict[str, dict[str, Fanout]] = {}
+    for src in ("<input>", *plan.nodes):
+        fields = {f for s, f in routes if s == src}
+        fields.update(latch_routes.get(src, ()), to_caller.get(src, ()))
+        fanout[src] = {
+            f: (
+                tuple(routes.get((src, f), ())),
+                tuple(sorted(latch_routes.get(src, {}).get(f, ()))),
+                f in to_caller.get(src, ()),
+            )
+            for f in sorted(fields)
+        }
     all_nodes = ["<input>", *plan.nodes]
     feeders = {
         n: frozenset(m for m in all_nodes if n in plan.reach[m]) | {FRAME} for n in all_nodes
-    }
-    out_feeders = {
-        f: frozenset().union(*(feeders[s] for s in srcs)) if srcs else frozenset()
-        for f, srcs in plan.output_producers.items()
     }
     plain = set(plan.nodes) - plan.seq_producers
 
@@ -211,12 +227,13 @@ def compile_plan(plan: StaticPlan) -> Compiled:
     methods = {n: getattr(plan.roles[spec.role], spec.method) for n, spec in plan.specs.items()}
     return Compiled(
         plan=plan,
-        routes={k: tuple(v) for k, v in routes.items()},
-        to_caller={k: frozenset(v) for k, v in to_caller.items()},
         stamping=frozenset(r for r in roots.values() if r != "<input>") | plan.seq_producers,
         seq_nodes=plan.seq_producers | {"<input>"},
-        out_feeders=out_feeders,
-        feeders=feeders,
+        latch_feeders={
+            (n, f): frozenset().union(*(feeders[s] for s in plan.producers[f]))
+            for n, g in latch_of
+            for f in latch_of[(n, g)]
+        },
         seq_out_feeders=seq_out_feeders,
         seq_feeders=seq_feeders,
         specs=plan.specs,
@@ -229,22 +246,9 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         throttled={
             n: sp.max_concurrency for n, sp in plan.specs.items() if sp.max_concurrency is not None
         },
-        routes_of=routes_of,
-        caller_fields={n: frozenset(to_caller.get(n, ())) for n in ("<input>", *plan.nodes)},
+        fanout=fanout,
         bucket_nodes=frozenset(n for n, _g in plan.buckets),
-        latch_routes={
-            src: {f: tuple(sorted(d)) for f, d in by_f.items()}
-            for src, by_f in latch_routes.items()
-        },
-        latch_of={
-            (n, g): tuple(f for f in grp if f in sp.latch)
-            for n, sp in plan.specs.items()
-            for g, grp in enumerate(sp.groups)
-            if sp.latch.intersection(grp)
-        },
-        unconstrained=frozenset(
-            n
-            for n, sp in plan.specs.items()
-            if n not in plan.cycle_nodes and sp.lb != "session" and sp.max_concurrency is None
-        ),
+        latch_of=latch_of,
+        unconstrained=unconstrained,
+        counted=bool(plan.buckets or plan.seq_producers or latch_of),
     )

@@ -1,13 +1,14 @@
 """The call core: every scheduling decision of one graph call, as plain synchronous code.
 
-The core is fed stimuli by the async shell (``_runtime``) and answers with instructions:
+The async shell (``_runtime``) feeds it one stimulus at a time and carries out the answer:
 
-    start(inputs)                 -> activations to run (``to_run``), frames for the caller
-    on_frame(activation, frame)   -> (``emitted``), errors (``errors``), ``finished``
-    on_done(activation, exc)
-    cancel(kind)                  -> activations whose tasks must be cancelled (``to_cancel``)
+    core.handle(Start | Produced | Returned | Ended | Settle | Cancel | Crash) -> Instructions
 
-Nothing here awaits, sleeps or touches a socket, so every rule is tested by feeding events.
+``Instructions`` (``_stimuli``) is an immutable record: activations to run, frames for the
+caller, data-plane refs to release, activations whose tasks to cancel, finished or not. The
+core never sees a task and the shell never writes core state: the shell keeps its own
+activation -> task map. Nothing here awaits, sleeps or touches a socket, so every rule is
+tested by feeding stimuli.
 
 Vocabulary (design/ARCHITECTURE.md has the long form):
 
@@ -22,33 +23,51 @@ Vocabulary (design/ARCHITECTURE.md has the long form):
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import random
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omniflow._exceptions import NodeError
 from omniflow.data._ref import DataRef
 from omniflow.runtime._buckets import (
-    DEAD,
-    FIRE,
-    WAIT,
     Bucket,
     BucketSpec,
+    Dead,
+    Fire,
+    Wait,
     quiescent_pick,
     rule_error,
 )
-from omniflow.runtime._compiled import Compiled
-from omniflow.runtime._liveness import FRAME, INPUT_ENTRY, Entry, Liveness, Table
+from omniflow.runtime._compiled import Compiled, Fanout
+from omniflow.runtime._liveness import FRAME, INPUT_ENTRY, Entry, Liveness, Table, Uncounted
 from omniflow.runtime._ordering import StreamOrder
+from omniflow.runtime._stimuli import (
+    LEGAL,
+    NOTHING,
+    REJECTED,
+    ActState,
+    Cancel,
+    CancelKind,
+    Crash,
+    Emit,
+    Ended,
+    Instructions,
+    Produced,
+    Returned,
+    Settle,
+    Start,
+    Stimulus,
+    TransitionError,
+    render_story,
+)
 
 __all__ = ["Activation", "CallCore", "Emit"]
 
-PENDING, RUNNING, DONE = 0, 1, 2
-
-#: A frame for the caller: (field, value, node, seq index).
-Emit = tuple[str, Any, str, int]
+PENDING, RUNNING, DONE = ActState.PENDING, ActState.RUNNING, ActState.DONE
 
 
 class Activation:
@@ -62,18 +81,19 @@ class Activation:
         "refs",
         "seq",
         "state",
-        "t0",
         "table",
-        "task",
         "yidx",
     )
 
-    #: When the method started: set, and read, by the shell only while metrics are on (left
-    #: unset otherwise, one store less per activation).
-    t0: float
-
     def __init__(
-        self, aid: int, node: str, group: int, kwargs: dict[str, Any], table: Table, seq: Entry
+        self,
+        aid: int,
+        node: str,
+        group: int,
+        kwargs: dict[str, Any],
+        table: Table,
+        seq: Entry,
+        state: ActState = PENDING,
     ) -> None:
         #: Activation id, unique within the call.
         self.aid = aid
@@ -87,12 +107,11 @@ class Activation:
         self.table = table
         #: Nearest SeqId entry of the inputs (stream and index used for ordering).
         self.seq = seq
-        #: PENDING, RUNNING or DONE.
-        self.state = PENDING
-        #: Frames produced so far (the next frame's yield index).
+        #: PENDING, RUNNING or DONE (born PENDING, or RUNNING when admitted straight to
+        #: running; moved by ``CallCore._move`` only).
+        self.state = state
+        #: Frames produced so far (the next frame's yield index; counted for stamping nodes).
         self.yidx = 0
-        #: The shell's handle (task) while the method is suspended.
-        self.task: Any = None
         #: Data-plane refs among its inputs (each held until the activation ends).
         self.refs: list[DataRef] | None = None
 
@@ -137,23 +156,38 @@ class CallCore:
         call_id: str,
         *,
         story: deque[tuple[Any, ...]] | None = None,
+        shuffle: random.Random | None = None,
     ) -> None:
         self.c = compiled
         self.graph = compiled.plan.graph
         self.call_id = call_id
-        self.live = Liveness()
+        #: Live work per entry and node (``Uncounted`` when the plan never asks).
+        self.live = Liveness() if compiled.counted else Uncounted()
+        self._counted = compiled.counted
         #: Liveness of gathering buckets alone (a session node asks whether one of its own
         #: buckets may still fire with a given SeqId).
         self.blive = Liveness()
         self._aids = itertools.count(1)
-        #: Activations the shell must start now (FIFO).
-        self.to_run: deque[Activation] = deque()
-        #: Activations whose methods the shell must cancel.
-        self.to_cancel: list[Activation] = []
-        #: Frames for the caller, in release order.
-        self.emitted: list[Emit] = []
-        #: Data-plane refs whose last holder finished: the shell tells their owner.
-        self.to_release: list[DataRef] = []
+        #: The answer to the stimulus being handled, gathered while it is (``_instructions``
+        #: turns them into an ``Instructions`` record and starts afresh): activations to run,
+        #: frames for the caller in release order, data-plane refs whose last holder let go,
+        #: activations whose tasks to cancel.
+        self._out_run: list[Activation] = []
+        self._out_emit: list[Emit] = []
+        self._out_release: list[DataRef] = []
+        self._out_cancel: list[Activation] = []
+        #: Stimuli handled so far (the id of the current one).
+        self.stimuli = 0
+        #: Seeded shuffling of each batch of ready work (``Runtime(validate=True)``), so that
+        #: order bugs surface in tests; None: plan order.
+        self._shuffle = shuffle
+        #: A Crash ended the call: later stimuli are ignored.
+        self.crashed = False
+        #: A stimulus left settling for later: the shell must send ``SETTLE`` once it has
+        #: started the ready work it holds (read-only for the shell).
+        self.unsettled = False
+        #: Stimulus type -> handler (``_IGNORE_ALL`` once crashed).
+        self._handlers = _HANDLERS
         #: Consumer edges (activations, buckets) holding each data-plane ref.
         self.refcounts: dict[DataRef, int] = {}
         #: Errors of the call (kind "error" or "cancel").
@@ -197,42 +231,164 @@ class CallCore:
 
     # ------------------------------------------------------------------ stimuli
 
-    def start(self, inputs: dict[str, Any]) -> None:
+    def handle(self, stimulus: Stimulus) -> Instructions:
+        """Take one stimulus; answer what the shell must do (see ``_stimuli``)."""
+        self.stimuli += 1
+        if type(stimulus) is Returned and not self.crashed:
+            # ``_on_returned``, inlined: the stimulus of nearly every activation.
+            act, value, settle = stimulus
+            story = self._story
+            if story is not None:
+                story.append((self.call_id, self.stimuli, "return", act.node, act.aid))
+            if value is not None and not self.closing and act.state is RUNNING:
+                self._frame(act, value)
+            self._done(act, None, settle)
+            accepted = True
+        else:
+            accepted = self._handlers[type(stimulus)](self, stimulus)
+        run = self._out_run
+        if not (self._out_release or self._out_cancel or self.finished):
+            # The common answers: work to run and/or frames for the caller, or nothing.
+            emit = self._out_emit
+            if emit:
+                self._out_emit = []
+            elif not run:
+                return NOTHING if accepted else REJECTED
+            if run:
+                self._out_run = []
+                if self._shuffle is not None and len(run) > 1:
+                    self._shuffle.shuffle(run)
+            # ``tuple.__new__``: a NamedTuple's own constructor is Python code.
+            return _new(Instructions, ((*run,), (*emit,), (), (), False, accepted))
+        if run:
+            self._out_run = []
+            if self._shuffle is not None and len(run) > 1:
+                self._shuffle.shuffle(run)
+        emit = self._out_emit
+        if emit:
+            self._out_emit = []
+        release = self._out_release
+        if release:
+            self._out_release = []
+        cancel = self._out_cancel
+        if cancel:
+            self._out_cancel = []
+            # Not one that ended within this very stimulus (the one whose frame broke a rule).
+            cancel = [a for a in cancel if a.state is RUNNING]
+        return _new(
+            Instructions,
+            (
+                tuple(run) if run else (),
+                tuple(emit) if emit else (),
+                tuple(release) if release else (),
+                tuple(cancel) if cancel else (),
+                self.finished,
+                accepted,
+            ),
+        )
+
+    def _on_start(self, ev: Start) -> bool:
         """Deliver the Placeholders; the call's own entry roots everything after."""
+        inputs = ev.inputs
+        self._log("start", tuple(inputs))
         table: Table = (INPUT_ENTRY,)
         self.live.inc(table, "<input>")  # hold the call open while the inputs fan out
-        self._log("start", inputs=sorted(inputs))
+        fanout = self.c.fanout["<input>"]
         for f, v in inputs.items():
-            self._dispatch("<input>", f, v, table, INPUT_ENTRY)
+            fan = fanout.get(f)
+            if fan is not None:
+                self._dispatch(fan, "<input>", f, v, table, INPUT_ENTRY)
         self.live.dec(table, "<input>")
         self._settle()
+        return True
 
-    def on_frame(self, act: Activation, frame: Any) -> bool:
-        """A method returned or yielded ``frame``. False: stop the method (frame rejected)."""
-        if self.closing:
+    def _on_produced(self, ev: Produced) -> bool:
+        """A method yielded a frame. False: stop the method (frame rejected, call closing)."""
+        act = ev.act
+        story = self._story
+        if story is not None:  # ``_log``, inlined: once per yielded frame
+            story.append((self.call_id, self.stimuli, "frame", act.node, act.aid))
+        if self.closing or act.state is not RUNNING:
             return False
-        if self._frame(act, frame):
-            self._settle()
+        if self._frame(act, ev.frame):
+            if self._settle_due():
+                self._settle()
             return True
         return False
 
-    def on_return(self, act: Activation, value: Any) -> None:
-        """``on_frame(act, value)`` (unless value is None) then ``on_done(act)``, settled once:
-        the common end of a coroutine method that finished within one step."""
-        if value is not None and not self.closing:
+    def _on_returned(self, ev: Returned) -> bool:
+        """A coroutine method returned: its frame (unless None) then its end, settled once."""
+        act = ev.act
+        story = self._story
+        if story is not None:  # ``_log``, inlined: once per activation
+            story.append((self.call_id, self.stimuli, "return", act.node, act.aid))
+        value = ev.value
+        if value is not None and not self.closing and act.state is RUNNING:
             self._frame(act, value)
-        self.on_done(act)
+        self._done(act, None, ev.settle)
+        return True
+
+    def _on_ended(self, ev: Ended) -> bool:
+        act = ev.act
+        exc = ev.exc
+        self._log("end", act.node, act.aid, None if exc is None else type(exc).__name__)
+        self._done(act, exc, ev.settle)
+        return True
+
+    def _on_settle(self, ev: Settle) -> bool:
+        """Evaluate what ended since the last settle (the shell sends it after starting a
+        batch of ready work; other stimuli settle on their own unless told not to)."""
+        self._log("settle")
+        self._settle()
+        return True
+
+    def _on_cancel(self, ev: Cancel) -> bool:
+        self._log("cancel", ev.kind.value, ev.reason)
+        if ev.error is not None and not self.closing:
+            self.errors.append(ev.error)
+        self._cancel(ev.kind)
+        self._settle()  # what dropping the buckets and pending work ended
+        return True
+
+    def _on_crash(self, ev: Crash) -> bool:
+        """An omniflow bug surfaced: end the call with an error naming it and cancel what
+        runs. The state may be inconsistent, so nothing is settled; later stimuli are
+        ignored."""
+        exc = ev.exc
+        self._log("crash", f"{type(exc).__name__}: {exc}")
+        err = NodeError(
+            "<runtime>",
+            f"internal error {type(exc).__name__}: {exc}; this is an omniflow bug, please "
+            f"report it with rt.story({self.call_id!r})",
+            call_id=self.call_id,
+            graph=self.graph,
+            exc_type=type(exc).__name__,
+        )
+        err.__cause__ = exc
+        self.errors.append(err)
+        self.closing = True
+        self._out_run.clear()
+        self._out_cancel = [a for a in self.running if a.state is RUNNING]
+        self.finished = True
+        self.crashed = True
+        self._handlers = _IGNORE_ALL
+        return True
+
+    def _ignore(self, ev: Stimulus) -> bool:
+        """A crashed call takes no more stimuli (its state is whatever the bug left)."""
+        return False
 
     def _frame(self, act: Activation, frame: Any) -> bool:
         node = act.node
-        if not isinstance(frame, dict):
+        if type(frame) is not dict and not isinstance(frame, dict):
             self._reject(
                 act,
                 f"produced {type(frame).__name__} {frame!r:.80}; return or yield "
                 "a dict of output fields (or None for nothing)",
             )
             return False
-        outputs = self.c.outputs[node]
+        c = self.c
+        outputs = c.outputs[node]
         if not outputs.issuperset(frame):
             f = next(f for f in frame if f not in outputs)
             self._reject(
@@ -242,51 +398,59 @@ class CallCore:
                 field=str(f),
             )
             return False
-        idx = act.yidx
-        act.yidx = idx + 1
-        if node in self.c.stamping:
-            if node in self.c.session_nodes:
+        if node in c.stamping:
+            idx = act.yidx  # only stamped frames need their yield index
+            act.yidx = idx + 1
+            if node in c.session_nodes:
                 n = self._session_seq.get(node, 0)
                 self._session_seq[node] = n + 1
                 entry: Entry = (node, 0, n)
             else:
                 entry = (node, act.aid, idx)
             table = act.table
-            for e in table:
-                if e[0] == node:  # a loop came back: keep one entry per stamping node
-                    table = tuple(x for x in table if x[0] != node)
-                    break
-            table = (*table, entry)
-            if self._stamp_no is not None:
+            if self._stamp_no is not None:  # on a graph with cycles
+                for e in table:
+                    if e[0] == node:  # a loop came back: keep one entry per stamping node
+                        table = tuple(x for x in table if x[0] != node)
+                        break
                 self._stamp_no[entry] = len(self._stamp_no)
-            seq = entry if node in self.c.seq_nodes else act.seq
-            # Hold: consumers of this frame are created one by one (the node under the older
-            # entries, the frame itself under its own; see FRAME).
-            older = table[:-1]
+            table = (*table, entry)
+            seq = entry if node in c.seq_nodes else act.seq
+            # Hold: consumers of this frame are created one by one. Under the older entries
+            # the producing activation holds its node (it is RUNNING until its end, which
+            # comes after this frame); under its own entry the frame holds FRAME.
+            own = (entry,)
             live = self.live
-            live.inc(older, node)
-            live.inc((entry,), FRAME)
+            live.inc(own, FRAME)
+            fanout = c.fanout[node]
             for f, v in frame.items():
-                self._dispatch(node, f, v, table, seq)
-            live.dec((entry,), FRAME)
-            self._dec(older, node)
+                fan = fanout.get(f)
+                if fan is not None:  # else nobody consumes it
+                    self._dispatch(fan, node, f, v, table, seq)
+            live.dec(own, FRAME)
         else:
             table = act.table
             seq = act.seq
+            fanout = c.fanout[node]
             for f, v in frame.items():
-                self._dispatch(node, f, v, table, seq)
+                fan = fanout.get(f)
+                if fan is not None:  # else nobody consumes it
+                    self._dispatch(fan, node, f, v, table, seq)
         return True
 
-    def on_done(self, act: Activation, exc: BaseException | None = None) -> None:
+    def _done(self, act: Activation, exc: BaseException | None, settle: bool) -> None:
         """The method finished: returned, ended its stream, raised, or was cancelled."""
-        if act.state != RUNNING:
-            raise AssertionError(f"call {self.call_id}: {act!r} finished while not running")
-        act.state = DONE
-        act.task = None
+        if act.state is RUNNING:  # the one legal move to DONE from running, checked inline
+            act.state = DONE
+        else:
+            self._move(act, DONE)  # raises TransitionError
         self.running.discard(act)
         node = act.node
         self.n_acts -= 1
-        self._dec(act.table, node)
+        if self._counted:
+            self.live.dec(act.table, node)
+            if node in self.c.bucket_nodes:
+                self._only_buckets(act.table, node)
         if act.refs:
             self._let_go(act.refs)
         if exc is not None:
@@ -301,24 +465,52 @@ class CallCore:
                 blocked = self._blocked.get(node)
                 if blocked and not self.closing:
                     self._run(blocked.popleft())
-        if not self.to_run:
-            self._settle()
-        # Otherwise the shell is starting the activations in ``to_run`` and settles once they
-        # are started (``settle``): one pass over what a whole batch of returns left behind.
+        # ``_settle_due()``, inlined (once per activation).
+        if (
+            self._touched
+            or self.live.dirty
+            or self._pump_later
+            or self._n_parked
+            or not self.n_acts
+        ):
+            if settle and not self._out_run:
+                self._settle()
+            else:
+                # The shell is starting a batch of ready work (this one's, or what it still
+                # had): it sends SETTLE once the batch is started, so one pass covers what a
+                # whole batch of returns left behind.
+                self.unsettled = True
 
-    def settle(self) -> None:
-        """Evaluate what ended since the last settle (the shell calls this after starting
-        ``to_run``; stimuli settle on their own when nothing is left to start)."""
-        self._settle()
+    def _settle_due(self) -> bool:
+        """Would a settle change anything now? (Otherwise none is run, nor asked for.)"""
+        return bool(
+            self._touched
+            or self.live.dirty
+            or self._pump_later
+            or self._n_parked
+            or not self.n_acts
+        )
 
-    def cancel(self, kind: str = "cancel", reason: str = "the call was cancelled") -> None:
+    def _move(self, act: Activation, to: ActState) -> None:
+        """The one place an activation changes state (``_stimuli.LEGAL``)."""
+        if to not in LEGAL[act.state]:
+            raise TransitionError(
+                self.call_id,
+                act.node,
+                act.aid,
+                act.state,
+                to,
+                [] if self._story is None else render_story(self._story, self.call_id),
+            )
+        act.state = to
+
+    def _cancel(self, kind: CancelKind) -> None:
         """Stop the call: drop pending work and buckets, ask the shell to cancel the rest."""
         if self.closing:
             return
         self.closing = True
-        if kind == "cancel":
+        if kind is CancelKind.CANCEL:
             self.cancelled = True
-        self._log("cancel", reason=reason)
         for key, b in list(self.buckets.items()):
             self._drop_bucket(key, b)
         for sq_node, sq in self._session.items():
@@ -336,45 +528,58 @@ class CallCore:
                 self._n_parked -= 1
                 self._drop_pending(act)
             lt.parked = []
-        while self.to_run:
-            act = self.to_run.popleft()
-            act.state = RUNNING
-            self.on_done_quiet(act)
-        self.to_cancel.extend(self.running)
+        # Activations handed out by this very stimulus never reach the shell: retire them.
+        for act in self._out_run:
+            self._move(act, DONE)
+            self.running.discard(act)
+            if act.node in self.c.throttled:
+                self._running_per_node[act.node] -= 1
+            self.n_acts -= 1
+            self._dec(act.table, act.node)
+            self._let_go(act.refs)
+        self._out_run.clear()
+        self._out_cancel.extend(sorted(self.running, key=_aid_of))
         self._maybe_finish()
-
-    def on_done_quiet(self, act: Activation) -> None:
-        """Retire an activation that never started (dropped by cancellation)."""
-        act.state = DONE
-        self.running.discard(act)
-        if act.node in self.c.throttled:
-            self._running_per_node[act.node] -= 1
-        self.n_acts -= 1
-        self._dec(act.table, act.node)
-        self._let_go(act.refs)
 
     # ------------------------------------------------------------------ routing
 
-    def _dispatch(self, src: str, f: str, value: Any, table: Table, seq: Entry) -> None:
-        c = self.c
-        routes = c.routes_of[src].get(f)
+    def _dispatch(
+        self, fan: Fanout, src: str, f: str, value: Any, table: Table, seq: Entry
+    ) -> None:
+        """Send one frame of ``src``'s field ``f`` where ``fan`` (its fanout) says."""
+        routes, latching, to_caller = fan
         if routes:
             is_ref = type(value) is DataRef
-            for dst, g, bspec in routes:
+            for dst, g, bspec, direct in routes:
                 if bspec is not None:
                     self._arrive(bspec, src, f, value, table, seq)
+                    continue
+                if direct and not self.closing:  # no latch, loop bound, order or throttle
+                    act = Activation(next(self._aids), dst, g, {f: value}, table, seq, RUNNING)
+                    if is_ref:
+                        act.refs = [value]
+                        self._hold(value)
+                    self.n_acts += 1
+                    if self._counted:  # ``Liveness.inc``, inlined (once per hop)
+                        counts = self.live.counts
+                        for e in table:
+                            d = counts.get(e)
+                            if d is None:
+                                counts[e] = {dst: 1}
+                            else:
+                                d[dst] = d.get(dst, 0) + 1
+                    self.running.add(act)
+                    self._out_run.append(act)
                     continue
                 act = Activation(next(self._aids), dst, g, {f: value}, table, seq)
                 if is_ref:
                     act.refs = [value]
                     self._hold(value)
                 self._admit(act)
-        if c.latch_routes:
-            by_f = c.latch_routes.get(src)
-            if by_f is not None:
-                for dst in by_f.get(f, ()):
-                    self._latch_value(dst, f, value)
-        if f in c.caller_fields[src]:
+        if latching:
+            for dst in latching:
+                self._latch_value(dst, f, value)
+        if to_caller:
             self._emit(src, f, value, seq)
 
     def _arrive(
@@ -418,7 +623,7 @@ class CallCore:
             self.blive.inc(table, bspec.node)
             self._watch(key, b)
             if self._story is not None:
-                self._log("bucket", node=bspec.node, group=bspec.group, key=key)
+                self._log("bucket", bspec.node, bspec.group, key)
             # Slots may have ended before the bucket existed (no drop will announce them):
             # learn them now, while this frame's producer still holds its own slots open.
             fresh = True
@@ -495,9 +700,9 @@ class CallCore:
         if node in c.unconstrained:  # no loop bound, no session order, no throttle: run it
             self.n_acts += 1
             self.live.inc(act.table, node)
-            act.state = RUNNING
+            self._move(act, RUNNING)
             self.running.add(act)
-            self.to_run.append(act)
+            self._out_run.append(act)
             return
         if node in c.cycle_nodes:
             n = self._iterations.get(node, 0) + 1
@@ -510,7 +715,8 @@ class CallCore:
                     "cycle); make the loop terminate sooner or raise Graph(max_iterations=...)",
                 )
                 self._let_go(act.refs)
-                self.cancel(kind="error", reason=f"{node} exceeded max_iterations")
+                self._log("cancel", CancelKind.ERROR.value, f"{node} exceeded max_iterations")
+                self._cancel(CancelKind.ERROR)
                 return
         self.n_acts += 1
         self.live.inc(act.table, node)
@@ -537,19 +743,19 @@ class CallCore:
         self._run(act)
 
     def _run(self, act: Activation) -> None:
-        act.state = RUNNING
+        self._move(act, RUNNING)
         node = act.node
         if node in self.c.throttled:
             self._running_per_node[node] = self._running_per_node.get(node, 0) + 1
         self.running.add(act)
-        self.to_run.append(act)
+        self._out_run.append(act)
 
     # ------------------------------------------------------------------ latches
 
     def _latch(self, node: str, fld: str) -> _Latch:
         lt = self._latches.get((node, fld))
         if lt is None:
-            feeders = frozenset().union(*(self.c.feeders[s] for s in self.c.plan.producers[fld]))
+            feeders = self.c.latch_feeders[(node, fld)]
             lt = self._latches[(node, fld)] = _Latch(node, fld, feeders)
         return lt
 
@@ -626,7 +832,7 @@ class CallCore:
             for act in parked:
                 self._n_parked -= 1
                 self.n_acts -= 1
-                act.state = DONE
+                self._move(act, DONE)
                 self._dec(act.table, act.node)
                 self._latch_dead(act, lt)
 
@@ -670,7 +876,7 @@ class CallCore:
             while so.exp < idx and not reaches((so.node, so.sid, so.exp), feeders):
                 so.exp += 1
         if idx == so.exp:
-            self.emitted.append((f, value, node, idx))
+            self._out_emit.append((f, value, node, idx))
             return
         so.push(idx, (f, value, node, idx))
         self._release_caller(f, so)
@@ -680,7 +886,7 @@ class CallCore:
         while so.pending:
             items = so.take_current()
             if items:
-                self.emitted.extend(items)
+                self._out_emit.extend(items)
                 if not so.pending:
                     break
             if self.live.reaches(so.entry(), feeders):
@@ -725,6 +931,7 @@ class CallCore:
     def _settle(self) -> None:
         """Evaluate touched buckets and waiters of entries whose liveness dropped, to a fixpoint;
         then finish the call if nothing of it is left."""
+        self.unsettled = False
         self._settle_pass()
         while self._pump_later:
             for node in sorted(self._pump_later):
@@ -782,39 +989,41 @@ class CallCore:
         fields they feed can have ended); None: check every open field; (): arrivals only."""
         if b.retired:
             return
-        reason = b.refresh_live(self.live, dropped)
+        reason = b.refresh(self.live.counts.get(b.key), dropped)
         if reason is None:
             if b.open:
                 return  # still waiting for a field
-            verdict, payload = b.decide()
-            if verdict == WAIT:
+            verdict = b.decide()
+            if type(verdict) is Wait:
                 return
         else:
-            verdict, payload = DEAD, reason
+            verdict = Dead(reason)
         spec = b.spec
-        node = spec.node
-        key = b.key
-        live = self.live
-        bid = (node, spec.group, key)
-        if verdict == FIRE:
-            self._retire_bucket(bid, b, "fired")
-            if self._story is not None:
-                self._log("fire", node=node, group=spec.group, key=key)
-            seq = b.seq if b.seq is not None else INPUT_ENTRY
-            act = Activation(next(self._aids), node, spec.group, payload, b.table, seq)
-            act.refs = b.refs or None  # the bucket's holds pass to its activation
-            self._admit(act)
-            live.dec(b.table, node)
-            self.blive.dec(b.table, node)
-            self._only_buckets(b.table, node)
+        bid = (spec.node, spec.group, b.key)
+        if type(verdict) is Fire:
+            self._fire(bid, b, verdict.kwargs)
         else:
-            assert verdict == DEAD
-            self._kill_bucket(bid, b, payload)
+            assert type(verdict) is Dead
+            self._kill_bucket(bid, b, verdict.reason)
             self._keep_rules(bid, b)
+
+    def _fire(self, bid: tuple[str, int, Entry], b: Bucket, kwargs: dict[str, Any]) -> None:
+        """The bucket is complete: its activation takes over its inputs and their holds."""
+        node, group, key = bid
+        self._retire_bucket(bid, b, "fired")
+        seq = b.seq if b.seq is not None else INPUT_ENTRY
+        act = Activation(next(self._aids), node, group, kwargs, b.table, seq)
+        if self._story is not None:
+            self._log("fire", node, group, key, act.aid)
+        act.refs = b.refs or None  # the bucket's holds pass to its activation
+        self._admit(act)
+        self.live.dec(b.table, node)
+        self.blive.dec(b.table, node)
+        self._only_buckets(b.table, node)
 
     def _kill_bucket(self, bid: tuple[str, int, Entry], b: Bucket, reason: str) -> None:
         self._retire_bucket(bid, b, "dead")
-        self._log("dead", node=bid[0], group=bid[1], key=bid[2], reason=reason)
+        self._log("dead", bid[0], bid[1], bid[2], reason)
         if b.arrivals and b.dead_field is not None and not self.closing:
             # Frames arrived and are lost with the bucket: say so (CONTRACT §3, warnings).
             got = sorted(b.frames)
@@ -899,10 +1108,10 @@ class CallCore:
                 counts[ref] = n
             else:
                 del counts[ref]
-                self.to_release.append(ref)
+                self._out_release.append(ref)
 
     def _drop_pending(self, act: Activation) -> None:
-        act.state = DONE
+        self._move(act, DONE)
         self.n_acts -= 1
         self._dec(act.table, act.node)
         self._let_go(act.refs)
@@ -915,18 +1124,12 @@ class CallCore:
             # convergence nodes). Settle the earliest in plan order as if its open slots had
             # ended; that either fires it (new work) or kills it.
             bid, b = self._settle_first()
-            verdict, payload = b.evaluate(lambda _src: True)
-            if verdict == FIRE:
-                self._retire_bucket(bid, b, "fired")
-                seq = b.seq if b.seq is not None else INPUT_ENTRY
-                act = Activation(next(self._aids), bid[0], bid[1], payload, b.table, seq)
-                act.refs = b.refs or None
-                self._admit(act)
-                self.live.dec(b.table, bid[0])
-                self.blive.dec(b.table, bid[0])
+            verdict = b.evaluate(None)  # as if every open slot had ended
+            if type(verdict) is Fire:
+                self._fire(bid, b, verdict.kwargs)
                 self._settle()
                 return
-            self._kill_bucket(bid, b, payload if verdict == DEAD else "quiescent")
+            self._kill_bucket(bid, b, verdict.reason if type(verdict) is Dead else "quiescent")
             # Settled as if its open slots had ended, but a straggler may still come (a frame
             # of a field the cycle was holding back): the input rules hold for it exactly as
             # for a bucket found DEAD by liveness (CONTRACT §1, "never silently dropped").
@@ -938,11 +1141,11 @@ class CallCore:
                     self._let_go([lt.value])
             for so_key, so in self._caller.items():
                 while so.pending:
-                    self.emitted.extend(so.take_current())
+                    self._out_emit.extend(so.take_current())
                     so.advance()
                 del so_key
             self.finished = True
-            self._log("finish", status=self.status)
+            self._log("finish", self.status)
 
     def _settle_first(self) -> tuple[tuple[str, int, Entry], Bucket]:
         """The bucket a quiescent call settles next (``quiescent_pick``)."""
@@ -954,18 +1157,16 @@ class CallCore:
 
     def _warn(self, node: str, fld: str, message: str) -> None:
         self.warnings.append({"node": node, "field": fld, "message": message})
-        self._log("warning", node=node, field=fld, message=message)
+        self._log("warning", node, fld, message)
 
     def _record_exc(self, act: Activation, exc: BaseException) -> None:
-        import asyncio
-
         if isinstance(exc, asyncio.CancelledError):
             self.errors.append(
                 NodeError(
                     act.node, "cancelled", kind="cancel", call_id=self.call_id, graph=self.graph
                 )
             )
-            self._log("cancelled", node=act.node, aid=act.aid)
+            self._log("cancelled", act.node, act.aid)
             return
         if isinstance(exc, NodeError) and exc.node == act.node:
             err = exc
@@ -981,7 +1182,7 @@ class CallCore:
             )
             err.__cause__ = exc
         self.errors.append(err)
-        self._log("error", node=act.node, aid=act.aid, error=str(exc))
+        self._log("error", act.node, act.aid, str(exc))
 
     def _reject(self, act: Activation, message: str, field: str | None = None) -> None:
         self._node_error(act.node, message, field=field)
@@ -992,7 +1193,7 @@ class CallCore:
                 node, message, kind="error", field=field, call_id=self.call_id, graph=self.graph
             )
         )
-        self._log("error", node=node, error=message)
+        self._log("error", node, None, message)
 
     @property
     def status(self) -> str:
@@ -1007,23 +1208,27 @@ class CallCore:
             return "cancelled"
         return "ok"
 
-    def _log(self, event: str, **details: Any) -> None:
+    def _log(self, event: str, *values: Any) -> None:
+        """One story record under the current stimulus (``_stimuli.STORY_FIELDS`` names the
+        values): a tuple, rendered only when somebody reads the story."""
         if self._story is not None:
-            self._story.append((self.call_id, event, details))
+            self._story.append((self.call_id, self.stimuli, event, *values))
 
     # ------------------------------------------------------------------ invariants
 
     def validate(self) -> None:
         """Check every invariant of the call's state; raise AssertionError naming the breach.
         Call it between stimuli, after the shell settled (not from inside a step)."""
-        if self._touched or self.live.dirty or self._pump_later:
+        if self._touched or self.live.dirty or self._pump_later or self.unsettled:
             raise AssertionError(
                 f"call {self.call_id}: left unsettled (touched {len(self._touched)} buckets, "
-                f"liveness drops under {sorted(self.live.dirty)}); the shell must settle() "
-                "after starting to_run"
+                f"liveness drops under {sorted(self.live.dirty)}); the shell must send SETTLE "
+                "after starting a batch of ready work"
             )
         work: list[tuple[Table, str]] = []
-        acts = set(self.running) | set(self.to_run)
+        if self.crashed:
+            return  # a crashed call's state is whatever the bug left
+        acts = set(self.running)
         for sq in self._session.values():
             for so in sq.streams.values():
                 so.validate()
@@ -1043,7 +1248,10 @@ class CallCore:
             work.append((b.table, node))
             if b not in self._waiters.get(b.key, ()):
                 raise AssertionError(f"bucket {node}/{b.key} gathers but nobody wakes it")
-        self.live.validate(work)
+        if self._counted:
+            self.live.validate(work)
+        elif self.live.counts or self.live.dirty:
+            raise AssertionError(f"an uncounted call counted liveness: {self.live.counts}")
         self.blive.validate((b.table, node) for (node, _g, _k), b in self.buckets.items())
         held: dict[DataRef, int] = {}
         holders: list[list[DataRef] | None] = [a.refs for a in acts]
@@ -1069,6 +1277,21 @@ class CallCore:
 
 _NONE: dict[str, int] = {}
 
+#: Stimulus type -> its handler.
+_HANDLERS: dict[type, Callable[[CallCore, Any], bool]] = {
+    Returned: CallCore._on_returned,
+    Produced: CallCore._on_produced,
+    Ended: CallCore._on_ended,
+    Settle: CallCore._on_settle,
+    Start: CallCore._on_start,
+    Cancel: CallCore._on_cancel,
+    Crash: CallCore._on_crash,
+}
+_IGNORE_ALL: dict[type, Callable[[CallCore, Any], bool]] = dict.fromkeys(
+    _HANDLERS, CallCore._ignore
+)
+_new = tuple.__new__
+
 
 def _seq_in(table: Table, c: Compiled) -> Entry:
     for e in reversed(table):
@@ -1079,6 +1302,10 @@ def _seq_in(table: Table, c: Compiled) -> Entry:
 
 def _group_of(act: Activation) -> int:
     return act.group
+
+
+def _aid_of(act: Activation) -> int:
+    return act.aid
 
 
 def _waiter_order(w: Any) -> tuple[int, Any]:

@@ -93,7 +93,8 @@ class _Pending:
 
 
 class _RemoteHandle:
-    """What ``act.task`` holds for a remote activation: ``cancel()`` asks its replicas."""
+    """The shell's task for a remote activation (in ``call._tasks``): ``cancel()`` asks its
+    replicas."""
 
     __slots__ = ("key", "remote")
 
@@ -228,7 +229,7 @@ class RemoteRoles:
             return
         key = (call.call_id, act.aid)
         self._pending[key] = _Pending(call, core, act, list(targets or ()))
-        act.task = _RemoteHandle(self, key)
+        call._tasks[act] = _RemoteHandle(self, key)
         kwargs = act.kwargs
         plane = self.plane
         # Big inputs go through the front's pool when every replica it may reach (a run

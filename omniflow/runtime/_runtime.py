@@ -19,8 +19,10 @@ import itertools
 import logging
 import math
 import os
+import random
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -45,6 +47,20 @@ from omniflow.runtime._params import SessionParams
 from omniflow.runtime._placement import plan_processes, resolve_connectors
 from omniflow.runtime._ray_plan import Ray
 from omniflow.runtime._remote import RemoteRoles
+from omniflow.runtime._stimuli import (
+    NOTHING,
+    SETTLE,
+    Cancel,
+    CancelKind,
+    Crash,
+    Ended,
+    Instructions,
+    Produced,
+    Returned,
+    Start,
+    Stimulus,
+    render_story,
+)
 from omniflow.transport._auth import WireStats, resolve_key
 
 __all__ = ["Runtime", "RuntimeState"]
@@ -56,6 +72,17 @@ class RuntimeState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     CLOSED = "closed"
+
+
+_new = tuple.__new__
+
+
+def _resume_cb(
+    rt: Runtime, call: Call, core: CallCore, act: Activation, coro: Any
+) -> Callable[[asyncio.Task[Any]], None]:
+    """The done callback of a suspended coroutine's task (its own closure: ``_launch``
+    rebinds ``act`` and ``coro`` as it walks a chain)."""
+    return lambda t: rt._resumed(call, core, act, coro, t)
 
 
 def _context_of(call: Call, act: Activation) -> ActivationContext:
@@ -228,12 +255,16 @@ class Runtime:
         #: Idle sessions -> the timer that closes them after ``session_ttl``.
         self._idle: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: Bounded log of transitions: (call id, event, details).
+        #: Bounded log of stimuli and transitions: (call id, stimulus id, event, values), see
+        #: ``_stimuli.STORY_FIELDS``; ``story(call_id)`` renders them.
         self.story_log: deque[tuple[Any, ...]] | None = (
             deque(maxlen=story_size) if story_size else None
         )
-        #: Check every call core's invariants after each step (tests switch this on).
+        #: Check every call core's invariants after each step, and run each batch of ready
+        #: work in a shuffled order seeded by ``shuffle_seed`` and the call id, so that order
+        #: bugs surface (tests switch this on).
         self.validate = validate
+        self.shuffle_seed = 0
         #: Frames a reader may fall behind before stream producers wait (backpressure).
         self.stream_high_water = stream_high_water
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -485,7 +516,7 @@ class Runtime:
         """What happened to a call, oldest first (as far as the bounded log reaches back)."""
         if self.story_log is None:
             return []
-        return [(ev, d) for cid, ev, d in self.story_log if cid == call_id]
+        return render_story(self.story_log, call_id)
 
     async def close_session(self, session: str) -> None:
         """Wait for the session's queued and running calls, then release its
@@ -533,7 +564,8 @@ class Runtime:
         if call.done or call.core is not None:
             return
         compiled = self._compiled[call.graph]
-        core = CallCore(compiled, call.call_id, story=self.story_log)
+        shuffle = random.Random(f"{self.shuffle_seed}:{call.call_id}") if self.validate else None
+        core = CallCore(compiled, call.call_id, story=self.story_log, shuffle=shuffle)
         call.core = core
         if self.metrics is not None:
             self.metrics.calls_started += 1
@@ -547,102 +579,144 @@ class Runtime:
         inputs = call._inputs or {}
         call._inputs = None
         try:
-            core.start(inputs)
-            self._pump(call)
+            self._step(call, core, _new(Start, (inputs,)))
         except Exception as exc:
             self._crash(call, exc)
 
-    def _pump(self, call: Call) -> None:
-        core = call.core
-        if core is None:
+    # The shell's whole contract with the core: hand it a stimulus, carry out the answer.
+    # What runs where (tasks, remote handles, start times) is the shell's own business and
+    # lives on the Call (``_ready``, ``_tasks``, ``_t0``); the core's state is only read.
+
+    def _step(self, call: Call, core: CallCore, stimulus: Stimulus) -> bool:
+        """One stimulus from outside the pump: handle it, carry out the answer, then start
+        the ready work it made. Returns ``Instructions.accepted``."""
+        ins = core.handle(stimulus)
+        if ins is not NOTHING:
+            run, emit, release, cancel, finished, accepted = ins
+            if emit or release or cancel or finished:
+                self._apply(call, core, ins)
+            else:  # ``_apply``'s common case, inlined: work to start
+                call._ready.extend(run)
+                self._pump(call, core)
+                return accepted
+        self._pump(call, core)
+        return ins.accepted
+
+    def _apply(self, call: Call, core: CallCore, ins: Instructions) -> None:
+        """Carry out one answer of the core (``Instructions`` says in which order)."""
+        if ins is NOTHING:
             return
-        run = core.to_run
-        while True:
-            while run:
-                self._launch(call, core, run.popleft())
-            core.settle()  # what the batch of returns left (it may start more work)
-            if not run:
-                break
-        if core.to_release:
-            self._release(core.to_release)
-            core.to_release = []
-        if core.emitted:
-            frames = core.emitted
-            core.emitted = []
+        run, emit, release, cancel, finished, _accepted = ins
+        if release:
+            self._release(release)
+        if emit:
             if self.plane is not None:
-                frames = [self._materialize(f) for f in frames]
-            call._push(frames)
+                emit = tuple(self._materialize(f) for f in emit)
+            call._push(emit)
             if self.metrics is not None:
                 out = self.metrics.frames_out
-                for f, *_ in frames:
+                for f, *_ in emit:
                     out[(call.graph, f)] = out.get((call.graph, f), 0) + 1
-        if core.to_cancel:
+        if run:
+            call._ready.extend(run)
+        if cancel:
             current = asyncio.current_task()
-            for act in core.to_cancel:
-                task = act.task
+            tasks = call._tasks
+            for act in cancel:
+                task = tasks.get(act)
                 if task is not None and task is not current:
                     task.cancel()
-            core.to_cancel.clear()
-        if self.validate:
-            core.validate()
-        if core.finished:
+        if finished:
+            call._ready.clear()
             self._finish_call(call, core)
 
-    def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
-        if self.metrics is not None:
-            act.t0 = time.perf_counter()
-        method = call._coros.get(act.node)
-        if method is None or act.refs:
-            method = self._launch_other(call, core, act)
-            if method is None:
-                return
-        token = _current.set((_context_of, call, act))
-        try:
-            try:
-                out = first_step(method, act.kwargs)
-            except (Exception, asyncio.CancelledError) as exc:
-                self._done(call, core, act, exc)
-                return
-            if type(out) is not Running:
-                if self.metrics is None:
-                    core.on_return(act, out)
-                else:
-                    if out is not None:
-                        core.on_frame(act, out)
-                    self._done(call, core, act, None)
-                return
-            coro, task = out
-            act.task = task
-            self._track(task)
-            task.add_done_callback(lambda t: self._resumed(call, core, act, coro, t))
-        finally:
-            _current.reset(token)
+    def _pump(self, call: Call, core: CallCore) -> None:
+        """Start the ready work, batch by batch; after each batch let the core settle what
+        the batch's returns left behind (once, not after every return)."""
+        ready = call._ready
+        while True:
+            while ready:
+                self._launch(call, core, ready.popleft())
+            if not core.unsettled or call.done:
+                break
+            self._apply(call, core, core.handle(SETTLE))
+        if self.validate:
+            core.validate()
 
-    def _launch_other(self, call: Call, core: CallCore, act: Activation) -> Any:
+    def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
+        metrics = self.metrics
+        while True:  # one turn per activation of a chain of inline returns
+            if metrics is not None:
+                call._t0[act] = time.perf_counter()
+            method = call._coros.get(act.node)
+            kwargs = act.kwargs
+            if method is None or act.refs:
+                got = self._launch_other(call, core, act)
+                if got is None:
+                    return
+                method, kwargs = got
+            token = _current.set((_context_of, call, act))
+            try:
+                try:
+                    out = first_step(method, kwargs)
+                except (Exception, asyncio.CancelledError) as exc:
+                    self._done(call, core, act, exc, not call._ready)
+                    return
+                if type(out) is Running:
+                    coro, task = out
+                    call._tasks[act] = task
+                    self._track(task)
+                    task.add_done_callback(_resume_cb(self, call, core, act, coro))
+                    return
+                # Returned within its first step; more of the batch waiting: settle later.
+                if metrics is not None:
+                    self._observe(call, act, None)
+                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                ins = core.handle(_new(Returned, (act, out, not call._ready)))
+                if ins is NOTHING:
+                    return
+                run, emit, release, cancel, done, _ = ins
+                if emit or release or cancel or done:
+                    self._apply(call, core, ins)
+                    return
+                if len(run) == 1 and not call._ready:
+                    # The pump would start it next: start it now (a chain's next hop).
+                    act = run[0]
+                    continue
+                call._ready.extend(run)  # ``_apply``'s common case, inlined
+                return
+            finally:
+                _current.reset(token)
+
+    def _launch_other(
+        self, call: Call, core: CallCore, act: Activation
+    ) -> tuple[Any, dict[str, Any]] | None:
         """``_launch`` for a remote node, a generator, or inputs on the data plane: start it
-        here, or return the coroutine method to start the common way (None: started)."""
+        here, or return the coroutine method and its inputs to start the common way (None:
+        started, or already failed)."""
         node = act.node
         if node in self._remote_nodes:
             assert self.remote is not None
             self.remote.submit(call, core, act)
             return None
-        if act.refs and not self._resolve_inputs(call, core, act):
+        kwargs = self._resolve_inputs(call, core, act) if act.refs else act.kwargs
+        if kwargs is None:
             return None
         method = core.c.methods[node]
         if node not in core.c.generators:
-            return method
+            return method, kwargs
         token = _current.set((_context_of, call, act))
         try:
             try:
-                agen = method(**act.kwargs)
+                agen = method(**kwargs)
             except Exception as exc:
-                self._done(call, core, act, exc)
+                self._done(call, core, act, exc, not call._ready)
                 return None
             # The task copies the context now, with this activation's in it.
             task = asyncio.get_running_loop().create_task(self._drive(call, core, act, agen))
         finally:
             _current.reset(token)
-        act.task = task
+        call._tasks[act] = task
         self._track(task)
         task.add_done_callback(lambda t: self._drive_ended(call, core, act, t))
         return None
@@ -653,7 +727,7 @@ class Runtime:
         """A generator task ended. ``_drive`` reports the end itself; a task cancelled before
         its first step never ran its body, so its end is reported here (else the call would
         wait for it forever)."""
-        if act.task is task and act.state == RUNNING and not call.done:
+        if call._tasks.get(act) is task and act.state is RUNNING and not call.done:
             self._ended(call, core, act, generator_end(task))
 
     def _resumed(
@@ -664,18 +738,17 @@ class Runtime:
                 coro.close()
             return
         try:
-            self._resumed_step(call, core, act, coro, task)
+            end = finished(coro, task)
+            if end.error is not None:
+                self._done(call, core, act, end.error)
+            else:
+                del call._tasks[act]
+                if self.metrics is not None:
+                    self._observe(call, act, None)
+                self._apply(call, core, core.handle(Returned(act, end.value)))
+            self._pump(call, core)
         except Exception as exc:
             self._crash(call, exc)
-
-    def _resumed_step(
-        self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
-    ) -> None:
-        end = finished(coro, task)
-        if end.error is None and end.value is not None:
-            core.on_frame(act, end.value)
-        self._done(call, core, act, end.error)
-        self._pump(call)
 
     async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
         """Run a generator method here (``_drive.drive``): its frames go to the call core."""
@@ -684,38 +757,56 @@ class Runtime:
             if call.done:
                 return False
             try:
-                accepted = core.on_frame(act, frame)
-                self._pump(call)
+                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                return self._step(call, core, _new(Produced, (act, frame)))
             except Exception as internal:
                 self._crash(call, internal)
                 return False
-            return accepted
 
         def space() -> Any:
             return call._wait_space() if call._congested() else None
 
         self._ended(call, core, act, await drive(agen, push, space))
 
-    def _done(self, call: Call, core: CallCore, act: Activation, exc: BaseException | None) -> None:
-        m = self.metrics
-        if m is not None:
-            nm = m.node(call.graph, act.node)
-            nm.activations += 1
-            if exc is not None:
-                if isinstance(exc, asyncio.CancelledError):
-                    nm.cancelled += 1
-                else:
-                    nm.errors += 1
-            nm.observe(time.perf_counter() - act.t0)
-        core.on_done(act, exc)
+    def _observe(self, call: Call, act: Activation, exc: BaseException | None) -> None:
+        """Per-node metrics of an ended activation (only while metrics are on)."""
+        assert self.metrics is not None
+        nm = self.metrics.node(call.graph, act.node)
+        nm.activations += 1
+        if exc is not None:
+            if isinstance(exc, asyncio.CancelledError):
+                nm.cancelled += 1
+            else:
+                nm.errors += 1
+        t0 = call._t0.pop(act, None)
+        if t0 is not None:
+            nm.observe(time.perf_counter() - t0)
+
+    def _done(
+        self,
+        call: Call,
+        core: CallCore,
+        act: Activation,
+        exc: BaseException | None,
+        settle: bool = True,
+    ) -> None:
+        """The method ended with no frame of its own left to deliver (its stream ended, it
+        raised, it was cancelled, it never started): tell the core."""
+        call._tasks.pop(act, None)
+        if self.metrics is not None:
+            self._observe(call, act, exc)
+        self._apply(call, core, core.handle(Ended(act, exc, settle)))
 
     def _remote_frame(self, call: Call, core: CallCore, act: Activation, frame: Any) -> None:
         if call.done:
             return
         try:
-            if not core.on_frame(act, frame) and act.task is not None and not core.closing:
-                act.task.cancel()  # the core rejected the frame: stop the remote method
-            self._pump(call)
+            ins = core.handle(_new(Produced, (act, frame)))
+            self._apply(call, core, ins)
+            handle = call._tasks.get(act)
+            if not ins.accepted and handle is not None and not core.closing:
+                handle.cancel()  # the core rejected the frame: stop the remote method
+            self._pump(call, core)
         except Exception as exc:
             self._crash(call, exc)
 
@@ -728,38 +819,22 @@ class Runtime:
             return
         try:
             self._done(call, core, act, exc)
-            self._pump(call)
+            self._pump(call, core)
         except Exception as internal:
             self._crash(call, internal)
 
     def _crash(self, call: Call, exc: BaseException) -> None:
-        """A bug in omniflow surfaced while running ``call``: end it with an error, cancel
-        what runs, and keep the runtime serving (the call's story tells what led here)."""
+        """A bug in omniflow surfaced while running ``call``: the core ends it with an error
+        and names what runs, which is cancelled; the runtime keeps serving (the call's story
+        tells what led here)."""
         logger.error("internal error in call %s", call.call_id, exc_info=exc)
         core = call.core
         if core is None or call.done:
             return
-        core.closing = True
-        err = NodeError(
-            "<runtime>",
-            f"internal error {type(exc).__name__}: {exc}; this is an omniflow bug, please "
-            f"report it with rt.story({call.call_id!r})",
-            call_id=call.call_id,
-            graph=call.graph,
-            exc_type=type(exc).__name__,
-        )
-        err.__cause__ = exc
-        core.errors.append(err)
-        current = asyncio.current_task()
-        for act in list(core.running):
-            task = act.task
-            if task is not None and task is not current:
-                task.cancel()
-        core.running.clear()
-        core.finished = True
-        self._finish_call(call, core)
+        call._ready.clear()
+        self._apply(call, core, core.handle(Crash(exc)))
 
-    def _release(self, refs: list[DataRef]) -> None:
+    def _release(self, refs: Sequence[DataRef]) -> None:
         mine = [r for r in refs if r.source == "" and r.pid == os.getpid()]
         if self.plane is not None:
             for ref in mine:
@@ -778,18 +853,18 @@ class Runtime:
             return (frame[0], value, frame[2], frame[3])
         return frame
 
-    def _resolve_inputs(self, call: Call, core: CallCore, act: Activation) -> bool:
-        """Swap data-plane refs in a local activation's inputs for their values (zero-copy
-        views where the producer is on this host). False: the activation already failed."""
+    def _resolve_inputs(self, call: Call, core: CallCore, act: Activation) -> dict[str, Any] | None:
+        """A local activation's inputs with data-plane refs swapped for their values
+        (zero-copy views where the producer is on this host). None: the activation already
+        failed."""
         plane = self.plane
         if plane is None:
-            return True
+            return act.kwargs
         try:
-            act.kwargs = {f: _read_refs(plane, v) for f, v in act.kwargs.items()}
+            return {f: _read_refs(plane, v) for f, v in act.kwargs.items()}
         except OmniflowError as exc:
-            self._done(call, core, act, exc)
-            return False
-        return True
+            self._done(call, core, act, exc, not call._ready)
+            return None
 
     def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
@@ -825,9 +900,8 @@ class Runtime:
         )
         call._timed_out = True
         try:
-            core.errors.append(err)
-            core.cancel(kind="timeout", reason=f"timeout after {call._timeout:g}s")
-            self._pump(call)
+            reason = f"timeout after {call._timeout:g}s"
+            self._step(call, core, Cancel(CancelKind.TIMEOUT, reason, err))
         except Exception as exc:
             self._crash(call, exc)
 
@@ -840,8 +914,7 @@ class Runtime:
             self._finish_call(call, None, status="cancelled")
             return
         try:
-            core.cancel()
-            self._pump(call)
+            self._step(call, core, Cancel())
         except Exception as exc:
             self._crash(call, exc)
 
@@ -872,9 +945,6 @@ class Runtime:
         if self.plane is not None:
             self.plane.cleanup(call.call_id)
         if core is not None:
-            if core.emitted:
-                call._push(core.emitted)
-                core.emitted = []
             # A call cut by its deadline ends "error" (its cancelled methods say "cancel").
             call._finish("error" if call._timed_out else core.status, core.errors)
         else:

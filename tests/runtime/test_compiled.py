@@ -68,7 +68,7 @@ def test_fan_out_root_is_keyed_by_the_call() -> None:
     assert once_per_call(plan) == {"src.m", "a.m", "b.m", "join.m"}
     c = compile_plan(plan)
     assert c.stamping == frozenset()
-    assert c.routes_of["a.m"]["oa"][0][2].root == "<input>"  # type: ignore[union-attr]
+    assert c.fanout["a.m"]["oa"][0][0][2].root == "<input>"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

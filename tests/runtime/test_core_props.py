@@ -1,13 +1,15 @@
 """Stateful property tests of the pure scheduling structures, with no event loop.
 
-* ``CallCoreMachine`` plays the async shell against a real ``CallCore``: it starts a call,
-  delivers frames (random subsets of a node's outputs) for random running activations, finishes
-  them (normally, with an exception, cancelled) and cancels the call, in any interleaving
-  hypothesis finds, with ``core.validate()`` as the invariant after every step. At the end it
-  drains everything and the call must be finished with nothing left.
+* ``CallCoreMachine`` plays the async shell against a real ``CallCore``, through
+  ``CallCore.handle`` alone: it starts a call, delivers frames (random subsets of a node's
+  outputs) for random running activations, finishes them (normally, with an exception,
+  cancelled), cancels the call or crashes it, in any interleaving hypothesis finds, checking
+  every ``Instructions`` it gets back, with ``core.validate()`` as the invariant after every
+  step. At the end it drains everything and the call must be finished with nothing left.
 * ``StreamOrderMachine`` pushes indices in random order into a ``StreamOrder`` and releases them
   the way the core does; released indices never go down.
 * ``Bucket.evaluate`` against a small hand-written truth table.
+* Illegal activation moves raise ``TransitionError`` naming node, states and story.
 """
 
 from __future__ import annotations
@@ -29,17 +31,33 @@ from hypothesis.stateful import (
 
 import omniflow as of
 from omniflow.runtime._buckets import (
-    DEAD,
-    FIRE,
     WAIT,
     Bucket,
     BucketSpec,
+    Dead,
     FieldSpec,
+    Fire,
+    Wait,
     quiescent_pick,
 )
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._ordering import StreamOrder
+from omniflow.runtime._stimuli import (
+    NOTHING,
+    SETTLE,
+    ActState,
+    Cancel,
+    Crash,
+    Ended,
+    Instructions,
+    Produced,
+    Returned,
+    Start,
+    Stimulus,
+    TransitionError,
+    render_story,
+)
 
 from .conftest import load_graph_module
 
@@ -213,27 +231,65 @@ class CallCoreMachine(RuleBasedStateMachine):
         self.calls += 1
         self.story: deque[tuple[Any, ...]] = deque()
         self.core = CallCore(self.c, f"c{self.calls}", story=self.story)
-        #: Activations the shell runs (handed over by to_run, not done).
+        #: Activations handed out to run and not started yet (the shell's ready queue).
+        self.ready: deque[Activation] = deque()
+        #: Activations the shell runs (started, not done).
         self.running: list[Activation] = []
         #: Frames for the caller, in release order.
         self.emitted: list[tuple[str, Any, str, int]] = []
         #: Warnings of the call seen so far.
         self.warned: list[dict[str, str]] = []
-        self.core.start({p: payload for p in self.c.plan.inputs})
+        #: Data-plane refs released so far (none in these plans).
+        self.released: list[Any] = []
+        self.finished = False
+        self._handle(Start({p: payload for p in self.c.plan.inputs}))
         self._pump()
 
     # -- the shell's side of every stimulus
 
+    def _handle(self, stimulus: Stimulus) -> Instructions:
+        """Hand one stimulus to the core and carry out the answer, as the shell does; check
+        what the answer may say."""
+        core = self.core
+        assert core is not None
+        known = {id(a) for a in self.running}
+        ins = core.handle(stimulus)
+        assert isinstance(ins, Instructions)
+        # Every stimulus leaves a record under its id (the last record is the latest's).
+        assert self.story and self.story[-1][1] == core.stimuli
+        for act in ins.run:
+            assert act.state is ActState.RUNNING, act
+            assert id(act) not in known and act not in self.ready, f"{act} handed out twice"
+        for act in ins.cancel:
+            assert act.state is ActState.RUNNING, act
+        if ins.finished:
+            assert core.finished and not ins.run
+        elif core.finished:
+            raise AssertionError("finished, but the instructions did not say so")
+        if ins is NOTHING:
+            assert not (ins.run or ins.emit or ins.release or ins.cancel)
+        self.ready.extend(ins.run)
+        self.emitted.extend(ins.emit)
+        self.released.extend(ins.release)
+        # Cancelled methods finish later (the rules end them); a crashed call forgets them.
+        if ins.finished:
+            self.finished = True
+            self.seen.update(rec[2] for rec in self.story)
+            self.story.clear()
+            if core.crashed:
+                self.running = []
+                self.ready.clear()
+        return ins
+
     def _pump(self, data: st.DataObject | None = None) -> None:
         """Start what the core asks for, as the shell does: a method may suspend (it runs on,
-        in ``running``) or return within its first step (``on_return`` while later ones wait
-        in ``to_run``, so the core defers its settling), then ``settle`` once per batch."""
+        in ``running``) or return within its first step (``Returned`` with ``settle`` off
+        while more of the batch waits), then ``SETTLE`` once per batch when the core asks."""
         core = self.core
         assert core is not None
         while True:
-            while core.to_run:
-                act = core.to_run.popleft()
-                assert act.state == 1, act  # RUNNING
+            while self.ready:
+                act = self.ready.popleft()
                 spec = self.c.specs[act.node]
                 if (
                     data is not None
@@ -241,19 +297,14 @@ class CallCoreMachine(RuleBasedStateMachine):
                     and data.draw(st.integers(0, 2), label="returns at once") == 0
                 ):
                     frame = {f: self._value(act) for f in spec.outputs}
-                    core.on_return(act, frame if data.draw(st.booleans(), label="frame") else None)
+                    value = frame if data.draw(st.booleans(), label="frame") else None
+                    self._handle(Returned(act, value, settle=not self.ready))
                 else:
                     self.running.append(act)
-            core.settle()
-            if not core.to_run:
+            if not core.unsettled or core.finished:
                 break
-        self.emitted.extend(core.emitted)
-        core.emitted = []
-        core.to_cancel.clear()  # the shell would cancel their tasks; they finish later
-        self.running = [a for a in self.running if a.state != 2]
-        if core.finished:
-            self.seen.update(ev for _cid, ev, _d in self.story)
-            self.story.clear()
+            self._handle(SETTLE)
+        self.running = [a for a in self.running if a.state is not ActState.DONE]
 
     def _value(self, act: Activation) -> tuple[Any, ...]:
         """(stream, index) the caller should see the frame with; stream None for a session
@@ -283,13 +334,12 @@ class CallCoreMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 19), label="bad") == 0:
             frame = {"no_such_field": 1} if data.draw(st.booleans()) else "not a dict"
         errors = len(core.errors)
-        ok = core.on_frame(act, frame)
-        if not ok:
+        if not self.c.specs[act.node].is_generator:
+            self._handle(Returned(act, frame))  # a coroutine returns its one frame
+        elif not self._handle(Produced(act, frame)).accepted:
             # The shell stops a method whose frame was rejected (or whose call is closing).
             assert core.closing or len(core.errors) == errors + 1
-            core.on_done(act)
-        elif not self.c.specs[act.node].is_generator:
-            core.on_done(act)  # a coroutine returns its one frame and is done
+            self._handle(Ended(act))
         self._pump(data)
 
     @rule(data=st.data(), how=st.sampled_from(["ok", "ok", "error", "cancelled"]))
@@ -303,15 +353,31 @@ class CallCoreMachine(RuleBasedStateMachine):
             exc = RuntimeError("boom")
         elif how == "cancelled":
             exc = asyncio.CancelledError()
-        self.core.on_done(act, exc)
+        self._handle(Ended(act, exc))
         self._pump(data)
 
     @rule(dice=st.integers(0, 5))
     def cancel(self, dice: int) -> None:
         """The caller cancels (rarely: a cancelled call ends soon and explores little)."""
         if dice == 0 and self.core is not None and not self.core.finished:
-            self.core.cancel()
+            ins = self._handle(Cancel())
+            assert {id(a) for a in ins.cancel} <= {id(a) for a in self.running}
             self._pump()
+
+    @rule(dice=st.integers(0, 30))
+    def crash(self, dice: int) -> None:
+        """An internal error surfaces in the shell (very rarely): the core ends the call with
+        an error naming the bug, cancels everything that runs, and takes no more stimuli."""
+        core = self.core
+        if dice or core is None or core.finished:
+            return
+        running = {id(a) for a in self.running}
+        ins = self._handle(Crash(RuntimeError("shell bug")))
+        assert ins.finished and core.crashed
+        assert core.status == ("cancelled" if core.cancelled else "error")
+        assert {id(a) for a in ins.cancel} == running
+        assert core.errors[-1].node == "<runtime>" and "shell bug" in str(core.errors[-1])
+        assert core.handle(SETTLE).accepted is False  # ignored from now on
 
     # -- invariants
 
@@ -364,14 +430,15 @@ class CallCoreMachine(RuleBasedStateMachine):
         for _ in range(10_000):
             if not self.running:
                 break
-            core.on_done(self.running[0])
+            self._handle(Ended(self.running[0]))
             self._pump()
             core.validate()
-        assert core.finished, (core.n_acts, core.buckets, core.live.counts)
-        assert not core.buckets and core.n_acts == 0 and not core.live.counts
-        assert not core.to_run and not core.running
+        assert core.finished and self.finished, (core.n_acts, core.buckets, core.live.counts)
+        if not core.crashed:
+            assert not core.buckets and core.n_acts == 0 and not core.live.counts
+            assert not self.ready and not core.running
         event(f"calls: {min(self.calls, 4)}{'+' if self.calls >= 4 else ''}")
-        for ev in ("fire", "dead", "error", "cancel", "warning"):
+        for ev in ("fire", "dead", "error", "cancel", "warning", "crash"):
             n = self.seen[ev]
             event(f"{ev}: {min(n, 3)}{'+' if n >= 3 else ''}")
 
@@ -480,7 +547,6 @@ def _spec(*fields: tuple[str, tuple[str, ...], str, int | None]) -> BucketSpec:
         root="r.run",
         fields=fs,
         by_field={f.name: f for f in fs},
-        feeders={s: frozenset({s}) for f in fs for s in f.sources},
         field_feeders={f.name: frozenset(f.sources) for f in fs},
         is_join=any(f.mode == "count" for f in fs),
     )
@@ -499,56 +565,59 @@ COUNT_2 = ("t", ("A", "B"), "count", 2)
 #: (fields, arrivals as (field, value, sort key), ended sources, verdict, kwargs or reason).
 TRUTH: list[tuple[Any, ...]] = [
     # plain, critical (one source)
-    ((PLAIN_A,), [], "", WAIT, None),
-    ((PLAIN_A,), [], "A", DEAD, "critical input 'x'"),
-    ((PLAIN_A,), [("x", 1, 0)], "", FIRE, {"x": 1}),  # nobody else can deliver: fire at once
+    ((PLAIN_A,), [], "", Wait, None),
+    ((PLAIN_A,), [], "A", Dead, "critical input 'x'"),
+    ((PLAIN_A,), [("x", 1, 0)], "", Fire, {"x": 1}),  # nobody else can deliver: fire at once
     # plain, two sources: wait until the other path has settled (a second frame is an error)
-    ((PLAIN_AB,), [("x", 1, 0)], "A", WAIT, None),
-    ((PLAIN_AB,), [("x", 1, 0)], "AB", FIRE, {"x": 1}),
+    ((PLAIN_AB,), [("x", 1, 0)], "A", Wait, None),
+    ((PLAIN_AB,), [("x", 1, 0)], "AB", Fire, {"x": 1}),
     # AND rule: a field all of whose paths ended empty kills the bucket, one path or many...
-    ((PLAIN_AB, PLAIN_C), [("y", 2, 0)], "ABC", DEAD, "input 'x' ended with no frame on any"),
+    ((PLAIN_AB, PLAIN_C), [("y", 2, 0)], "ABC", Dead, "input 'x' ended with no frame on any"),
     # ... unless it is optional: then None ([] for collect)
-    ((OPT_AB, PLAIN_C), [("y", 2, 0)], "ABC", FIRE, {"x?": None, "y": 2}),
-    ((OPT_AB, PLAIN_C), [("x?", 1, 0), ("y", 2, 0)], "ABC", FIRE, {"x?": 1, "y": 2}),
-    ((OPT_COLLECT_A, PLAIN_C), [("y", 2, 0)], "AC", FIRE, {"c?": [], "y": 2}),
-    ((OPT_AB,), [], "AB", DEAD, "every input ended without a frame"),
-    ((PLAIN_AB,), [], "AB", DEAD, "input 'x' ended with no frame"),
-    ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "AB", WAIT, None),
-    ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "ABC", DEAD, "critical input 'y'"),
+    ((OPT_AB, PLAIN_C), [("y", 2, 0)], "ABC", Fire, {"x?": None, "y": 2}),
+    ((OPT_AB, PLAIN_C), [("x?", 1, 0), ("y", 2, 0)], "ABC", Fire, {"x?": 1, "y": 2}),
+    ((OPT_COLLECT_A, PLAIN_C), [("y", 2, 0)], "AC", Fire, {"c?": [], "y": 2}),
+    ((OPT_AB,), [], "AB", Dead, "every input ended without a frame"),
+    ((PLAIN_AB,), [], "AB", Dead, "input 'x' ended with no frame"),
+    ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "AB", Wait, None),
+    ((PLAIN_AB, PLAIN_C), [("x", 1, 0)], "ABC", Dead, "critical input 'y'"),
     # collect: all frames in production order (sort key), after every source ended
-    ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "", WAIT, None),
-    ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "A", FIRE, {"c": ["a", "b"]}),
-    ((COLLECT_A,), [], "A", DEAD, "collected input 'c' ended with no frame"),
-    ((COLLECT_AB, PLAIN_C), [("y", 2, 0)], "ABC", DEAD, "input 'c' ended with no frame"),
-    ((COLLECT_AB, PLAIN_C), [("c", 5, 0), ("y", 2, 0)], "AC", WAIT, None),
+    ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "", Wait, None),
+    ((COLLECT_A,), [("c", "b", (1,)), ("c", "a", (0,))], "A", Fire, {"c": ["a", "b"]}),
+    ((COLLECT_A,), [], "A", Dead, "collected input 'c' ended with no frame"),
+    ((COLLECT_AB, PLAIN_C), [("y", 2, 0)], "ABC", Dead, "input 'c' ended with no frame"),
+    ((COLLECT_AB, PLAIN_C), [("c", 5, 0), ("y", 2, 0)], "AC", Wait, None),
     # count ALL: every frame once the streams ended, possibly none, never DEAD on its own
-    ((COUNT_ALL,), [("t", 1, (0,))], "", WAIT, None),
-    ((COUNT_ALL, PLAIN_C), [("y", 2, 0)], "AC", FIRE, {"t": [], "y": 2}),
-    ((COUNT_ALL,), [("t", 2, (1,)), ("t", 1, (0,))], "A", FIRE, {"t": [1, 2]}),
-    ((COUNT_ALL,), [], "A", DEAD, "every input ended without a frame"),
+    ((COUNT_ALL,), [("t", 1, (0,))], "", Wait, None),
+    ((COUNT_ALL, PLAIN_C), [("y", 2, 0)], "AC", Fire, {"t": [], "y": 2}),
+    ((COUNT_ALL,), [("t", 2, (1,)), ("t", 1, (0,))], "A", Fire, {"t": [1, 2]}),
+    ((COUNT_ALL,), [], "A", Dead, "every input ended without a frame"),
     # count n: fires at n frames without waiting; fewer once the streams ended
-    ((COUNT_2,), [("t", 1, (0,))], "A", WAIT, None),
-    ((COUNT_2,), [("t", 2, (1,)), ("t", 1, (0,))], "", FIRE, {"t": [1, 2]}),
-    ((COUNT_2,), [("t", 1, (0,))], "AB", FIRE, {"t": [1]}),
-    ((COUNT_2, PLAIN_C), [("t", 1, (0,)), ("t", 2, (1,))], "", WAIT, None),
+    ((COUNT_2,), [("t", 1, (0,))], "A", Wait, None),
+    ((COUNT_2,), [("t", 2, (1,)), ("t", 1, (0,))], "", Fire, {"t": [1, 2]}),
+    ((COUNT_2,), [("t", 1, (0,))], "AB", Fire, {"t": [1]}),
+    ((COUNT_2, PLAIN_C), [("t", 1, (0,)), ("t", 2, (1,))], "", Wait, None),
 ]
 
 
 @pytest.mark.parametrize(("fields", "arrivals", "ended", "verdict", "expect"), TRUTH)
 def test_bucket_evaluate_truth_table(
-    fields: Any, arrivals: Any, ended: str, verdict: str, expect: Any
+    fields: Any, arrivals: Any, ended: str, verdict: type, expect: Any
 ) -> None:
-    b = Bucket(_spec(*fields), ("r.run", 1, 0), (("<input>", 0, 0), ("r.run", 1, 0)))
+    spec = _spec(*fields)
+    b = Bucket(spec, ("r.run", 1, 0), (("<input>", 0, 0), ("r.run", 1, 0)))
     for f, value, key in arrivals:
         assert b.add(f, value, key) is None
-    got, payload = b.evaluate(lambda src: src in ended)
-    assert got == verdict
-    if verdict == FIRE:
-        assert payload == expect
-    elif verdict == DEAD:
-        assert expect in payload
+    # Live work under the key: one activation at every source that has not ended.
+    live = {s: 1 for fs in spec.fields for s in fs.sources if s not in ended}
+    got = b.evaluate(live)
+    assert type(got) is verdict
+    if isinstance(got, Fire):
+        assert got.kwargs == expect
+    elif isinstance(got, Dead):
+        assert expect in got.reason
     else:
-        assert payload is None
+        assert got is WAIT
 
 
 def test_bucket_add_refuses_frames_that_break_the_input_rules() -> None:
@@ -561,7 +630,7 @@ def test_bucket_add_refuses_frames_that_break_the_input_rules() -> None:
     assert err is not None and "activate_by_count=2" in err and "ALL" in err
     # A refused frame is not stored.
     assert b.arrivals == 3
-    assert b.evaluate(lambda _s: True) == (FIRE, {"x": 1, "t": [1, 2]})
+    assert b.evaluate(None) == Fire({"x": 1, "t": [1, 2]})
 
 
 # ------------------------------------------------------------------ quiescent settling
@@ -590,7 +659,6 @@ def test_quiescent_pick_never_settles_a_bucket_that_waits_on_one_not_waiting_bac
             root="<input>",
             fields=(fs,),
             by_field={fs.name: fs},
-            feeders={"src": feeders},
             field_feeders={fs.name: feeders},
             is_join=False,
         )
@@ -609,3 +677,103 @@ def test_quiescent_pick_never_settles_a_bucket_that_waits_on_one_not_waiting_bac
     terminal = [i for i in range(n) if all(i in reach(j) for j in reach(i))]
     assert terminal, "every finite graph has a terminal strongly connected part"
     assert got == terminal[0]
+
+
+# ------------------------------------------------------------------ the transition table
+
+
+def test_an_illegal_move_names_node_states_and_story() -> None:
+    """Ending an activation twice is a shell bug: the core refuses it with a TransitionError
+    that names the node, both states and the story of the call so far."""
+    story: deque[tuple[Any, ...]] = deque()
+    core = CallCore(COMPILED["mixed"], "c1", story=story)
+    ins = core.handle(Start({"request": 1}))
+    (act,) = ins.run
+    core.handle(Ended(act))
+    with pytest.raises(TransitionError) as info:
+        core.handle(Ended(act))
+    err = info.value
+    assert (err.node, err.state, err.to) == (act.node, ActState.DONE, ActState.DONE)
+    text = str(err)
+    assert "split.run#1" in text and "done -> done" in text and "call c1" in text
+    assert "start" in text and "end" in text  # the story so far
+    assert [ev for ev, _d in err.story if ev in {"start", "end"}] == ["start", "end", "end"]
+    # Every record carries the id of the stimulus that caused it.
+    ids = {ev: d["stimulus"] for ev, d in render_story(story, "c1") if ev != "end"}
+    assert ids["start"] == ids["bucket"] == 1
+
+
+def test_every_stimulus_gets_an_id_and_a_story_record() -> None:
+    story: deque[tuple[Any, ...]] = deque()
+    core = CallCore(COMPILED["mixed"], "c7", story=story)
+    (split,) = core.handle(Start({"request": 1})).run
+    assert core.handle(Produced(split, {"a": 1})).accepted
+    ins = core.handle(Ended(split))
+    for act in ins.run:
+        core.handle(Returned(act, None))
+    got = render_story(story, "c7")
+    stimuli = [(ev, d["stimulus"]) for ev, d in got if ev in {"start", "frame", "end", "return"}]
+    assert [ev for ev, _sid in stimuli][:3] == ["start", "frame", "end"]
+    assert [sid for _ev, sid in stimuli] == sorted({sid for _ev, sid in stimuli})
+    assert render_story(story, "other") == []
+
+
+def test_a_rejected_frame_is_not_accepted_and_errs() -> None:
+    core = CallCore(COMPILED["mixed"], "c2")
+    (split,) = core.handle(Start({"request": 1})).run
+    ins = core.handle(Produced(split, {"nope": 1}))
+    assert not ins.accepted and "nope" in str(core.errors[-1])
+    assert core.handle(Produced(split, "not a dict")).accepted is False
+    ready = list(core.handle(Ended(split)).run)
+    while ready:
+        ready.extend(core.handle(Ended(ready.pop())).run)
+    assert core.finished and core.status == "error"
+
+
+# ------------------------------------------------------------------ the pieces' own rules
+
+
+def test_liveness_reaches_discounts_the_asker_and_validate_names_a_drift() -> None:
+    from omniflow.runtime._liveness import INPUT_ENTRY, Liveness
+
+    live = Liveness()
+    table = (INPUT_ENTRY,)
+    live.inc(table, "a")
+    assert live.reaches(INPUT_ENTRY, frozenset({"a"}))
+    assert not live.reaches(INPUT_ENTRY, frozenset({"a"}), {"a": 1})  # only the asker is there
+    assert not live.reaches(("x", 1, 0), frozenset({"a"}))
+    live.validate([(table, "a")])
+    with pytest.raises(AssertionError, match="liveness drifted"):
+        live.validate([(table, "b")])
+
+
+def test_stream_order_validate_names_a_stale_index() -> None:
+    so = StreamOrder("gen.run", 3)
+    so.push(0, "a")
+    so.advance()
+    with pytest.raises(AssertionError, match=r"pending index 0 \(exp 1\)"):
+        so.validate()
+
+
+def test_bucket_wakes_and_refreshes_only_for_fields_a_drop_can_end() -> None:
+    spec = _spec(PLAIN_AB, PLAIN_C)
+    spec = BucketSpec(
+        node=spec.node,
+        group=spec.group,
+        root=spec.root,
+        fields=spec.fields,
+        by_field=spec.by_field,
+        field_feeders=spec.field_feeders,
+        is_join=False,
+        feeds={"A": frozenset({"x"}), "B": frozenset({"x"}), "C": frozenset({"y"})},
+    )
+    b = Bucket(spec, ("r.run", 1, 0), (("<input>", 0, 0), ("r.run", 1, 0)))
+    assert b.add("x", 1, 0) is None
+    assert b.wakes_on(["A"]) and not b.wakes_on(["Z"])
+    # C's drop cannot end x: nothing settles, and y still waits on C's live work.
+    assert b.refresh({"C": 1}, ["Z"]) is None and b.open == {"x", "y"}
+    assert b.refresh({"C": 1}, ["A", "B"]) is None and b.open == {"y"}
+    assert b.add("y", 2, 0) is None and not b.open
+    assert b.wakes_on(["Z"])  # nothing open: any drop may let it be decided
+    assert b.refresh(None, None) is None
+    assert b.evaluate(None) == Fire({"x": 1, "y": 2})
