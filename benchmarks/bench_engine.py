@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py            # ~4 min on 2 cores
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~1.5 min
-    #   --hidden N --layers N --threads N --rounds N --no-http
+    #   --hidden N --layers N --threads N --rounds N --no-http --http-only (4b alone)
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
@@ -237,6 +237,7 @@ async def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--http-only", action="store_true", help="measure 4b only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n_decode = 64 if args.quick else 128
@@ -247,6 +248,9 @@ async def main() -> None:
         path = make_tiny_model(
             Path(tmp) / "m", hidden_size=args.hidden, layers=args.layers, heads=8, kv_heads=4
         )
+        if args.http_only:
+            await measure_http(path, args.threads, k, n_decode, plen, rounds)
+            return
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -330,32 +334,38 @@ async def main() -> None:
         )
         await engine.stop()
 
-        # 4b: over HTTP, two processes of their own, ABBA
         if not args.no_http:
-            procs = HttpContenders(path, args.threads)
-            try:
-                await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
-                toks, c_http, c_dirp = k * n_decode, [], []
-                http, dir_p = await interleaved(
-                    rounds,
-                    with_cpu(lambda: procs.http(k, n_decode, plen), procs.server.pid, toks, c_http),
-                    with_cpu(
-                        lambda: procs.direct(k, n_decode, plen), procs.worker.pid, toks, c_dirp
-                    ),
-                )
-            finally:
-                await procs.close()
-            over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
-            c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
-            print(
-                f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
-                f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
-                f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
-                f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
-                f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
-                f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]"
-            )
+            await measure_http(path, args.threads, k, n_decode, plen, rounds)
         print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+async def measure_http(
+    path: Path, threads: int, k: int, n_decode: int, plen: int, rounds: int
+) -> None:
+    """4b: over HTTP, two processes of their own, ABBA."""
+    procs = HttpContenders(path, threads)
+    try:
+        await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
+        await procs.direct(2, 4, plen)
+        toks, c_http, c_dirp = k * n_decode, [], []
+        http, dir_p = await interleaved(
+            rounds,
+            with_cpu(lambda: procs.http(k, n_decode, plen), procs.server.pid, toks, c_http),
+            with_cpu(lambda: procs.direct(k, n_decode, plen), procs.worker.pid, toks, c_dirp),
+        )
+    finally:
+        await procs.close()
+    over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
+    c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
+    print(
+        f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
+        f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
+        f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
+        f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
+        f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
+        f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]",
+        flush=True,
+    )
 
 
 def bench_graph(engine: of.TorchEngine) -> of.Graph:
