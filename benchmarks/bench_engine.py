@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py            # ~4 min on 2 cores
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~1.5 min
-    #   --hidden N --layers N --threads N --rounds N --no-http
+    #   --hidden N --layers N --threads N --rounds N --no-http --http-only (4b alone)
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
@@ -199,15 +199,30 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def loop_cpu(pid: int) -> float:
+    """CPU seconds the process's main thread (its event loop: the runtime and, in the server,
+    the HTTP stream) has run so far, to the nanosecond (schedstat, not 10 ms clock ticks).
+    Unlike the process total it leaves out torch's threads, whose OpenMP spin-waiting on a
+    loaded machine swamps everything else."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
 def with_cpu(
-    run: Callable[[], Awaitable[float]], pid: int, tokens: int, cpu: list[float]
+    run: Callable[[], Awaitable[float]],
+    pid: int,
+    tokens: int,
+    cpu: list[float],
+    loop: list[float] | None = None,
 ) -> Callable[[], Awaitable[float]]:
-    """``run`` that also appends the process's CPU ms per token to ``cpu``."""
+    """``run`` that also appends the process's CPU ms per token to ``cpu`` (and its main
+    thread's to ``loop``)."""
 
     async def measured() -> float:
-        c0 = proc_cpu(pid)
+        c0, l0 = proc_cpu(pid), loop_cpu(pid)
         rate = await run()
         cpu.append(1000 * (proc_cpu(pid) - c0) / tokens)
+        if loop is not None:
+            loop.append(1000 * (loop_cpu(pid) - l0) / tokens)
         return rate
 
     return measured
@@ -237,6 +252,7 @@ async def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--http-only", action="store_true", help="measure 4b only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n_decode = 64 if args.quick else 128
@@ -247,6 +263,9 @@ async def main() -> None:
         path = make_tiny_model(
             Path(tmp) / "m", hidden_size=args.hidden, layers=args.layers, heads=8, kv_heads=4
         )
+        if args.http_only:
+            await measure_http(path, args.threads, k, n_decode, plen, rounds)
+            return
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -330,32 +349,43 @@ async def main() -> None:
         )
         await engine.stop()
 
-        # 4b: over HTTP, two processes of their own, ABBA
         if not args.no_http:
-            procs = HttpContenders(path, args.threads)
-            try:
-                await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
-                toks, c_http, c_dirp = k * n_decode, [], []
-                http, dir_p = await interleaved(
-                    rounds,
-                    with_cpu(lambda: procs.http(k, n_decode, plen), procs.server.pid, toks, c_http),
-                    with_cpu(
-                        lambda: procs.direct(k, n_decode, plen), procs.worker.pid, toks, c_dirp
-                    ),
-                )
-            finally:
-                await procs.close()
-            over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
-            c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
-            print(
-                f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
-                f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
-                f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
-                f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
-                f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
-                f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]"
-            )
+            await measure_http(path, args.threads, k, n_decode, plen, rounds)
         print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+async def measure_http(
+    path: Path, threads: int, k: int, n_decode: int, plen: int, rounds: int
+) -> None:
+    """4b: over HTTP, two processes of their own, ABBA."""
+    procs = HttpContenders(path, threads)
+    try:
+        await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
+        await procs.direct(2, 4, plen)
+        toks, c_http, c_dirp, l_http, l_dirp = k * n_decode, [], [], [], []
+        srv, wrk = procs.server.pid, procs.worker.pid
+        http, dir_p = await interleaved(
+            rounds,
+            with_cpu(lambda: procs.http(k, n_decode, plen), srv, toks, c_http, l_http),
+            with_cpu(lambda: procs.direct(k, n_decode, plen), wrk, toks, c_dirp, l_dirp),
+        )
+    finally:
+        await procs.close()
+    over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
+    c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
+    l_over = [a - b for a, b in zip(l_http, l_dirp, strict=True)]
+    print(
+        f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
+        f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
+        f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
+        f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
+        f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
+        f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]; "
+        f"event-loop thread CPU per token {1000 * statistics.median(l_http):.1f} vs "
+        f"{1000 * statistics.median(l_dirp):.1f} us -> +{1000 * statistics.median(l_over):.1f} us "
+        f"[{spread([1000 * x for x in l_over], '{:+.1f}')}]",
+        flush=True,
+    )
 
 
 def bench_graph(engine: of.TorchEngine) -> of.Graph:

@@ -117,6 +117,8 @@ _ENCODER = json.JSONEncoder(
 
 def dumps(value: Any) -> bytes:
     """The compact UTF-8 JSON of ``value``; raises ValueEncodingError when it has none."""
+    if type(value) is int:  # a token id, a count: the common frame value, no encoder call
+        return b"%d" % value
     try:
         return _ENCODER.encode(value).encode("utf-8")
     except ValueEncodingError:

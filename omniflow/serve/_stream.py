@@ -9,7 +9,9 @@ after a disconnect are skipped; ``OSError`` from ``send`` (what ASGI 2.4 servers
 closed connection) counts as a disconnect too. Whatever happens, the call is over and released
 from admission when the response returns.
 
-NDJSON stream (``"stream": true``), one line per frame as soon as the runtime delivers it::
+NDJSON stream (``"stream": true``), one line per frame as soon as the runtime delivers it; the
+frames already queued for the call when one is written go out with it in the same chunk (one
+``send`` for all of them, never waiting for more)::
 
     {"field":"token","value":"txt0:6","node":"llm.generate","seq":0}
     ...
@@ -55,6 +57,8 @@ __all__ = [
     "done_line",
     "encoding_error",
     "frame_line",
+    "frame_lines",
+    "queued",
 ]
 
 
@@ -85,19 +89,44 @@ def _frames_of(call: Call) -> AsyncGenerator[Frame, None]:
 
 def frame_line(frame: Frame, value: bytes) -> bytes:
     """One NDJSON line ``{"field","value","node","seq"}``; ``value`` is already JSON."""
-    return b"".join(
-        (
-            b'{"field":',
-            dumps(frame.field),
-            b',"value":',
-            value,
-            b',"node":',
-            dumps(frame.node),
-            b',"seq":',
-            str(frame.seq).encode(),
-            b"}\n",
-        )
-    )
+    return frame_lines([(frame, value)])
+
+
+#: ``(field, node) -> b'{"field":...,"value":'`` and ``b',"node":...'`` split around the value;
+#: a graph has few (field, node) pairs, so the two ``dumps`` per frame become one dict lookup.
+_HEADS: dict[tuple[str, str], tuple[bytes, bytes]] = {}
+_HEADS_MAX = 4096  # bound: field and node names come from graphs, but never grow without end
+
+
+def _head_pair(field: str, node: str) -> tuple[bytes, bytes]:
+    key = (field, node)
+    pair = _HEADS.get(key)
+    if pair is None:
+        pair = (b'{"field":' + dumps(field) + b',"value":', b',"node":' + dumps(node))
+        if len(_HEADS) < _HEADS_MAX:
+            _HEADS[key] = pair
+    return pair
+
+
+def frame_lines(frames: list[tuple[Frame, bytes]]) -> bytes:
+    """The NDJSON lines of ``frames`` (each ``(frame, JSON value)``), in order, as one chunk."""
+    parts: list[bytes] = []
+    add = parts.append
+    for frame, value in frames:
+        head, node = _head_pair(frame.field, frame.node)
+        add(head)
+        add(value)
+        add(node)
+        add(b',"seq":%d}\n' % frame.seq)
+    return b"".join(parts)
+
+
+def queued(call: Call) -> int:
+    """Frames already delivered to ``call`` and not yet read: these can be taken at once,
+    without waiting. (The runtime has no public count; its ``Call`` keeps them in
+    ``_frames``. Without it this says 0 and every frame is written on its own.)"""
+    buffered = getattr(call, "_frames", None)
+    return len(buffered) if buffered is not None else 0
 
 
 def done_line(call: Call, extra: list[dict[str, Any]]) -> bytes:
@@ -161,6 +190,29 @@ class CallResponse:
                     continue
                 yield frame, encoded
 
+    async def batches(self) -> AsyncGenerator[list[tuple[Frame, bytes]], None]:
+        """Like ``frames``, in batches: each frame the runtime delivers together with the
+        frames already queued behind it (up to ``BATCH_MAX``). It never waits for more, so no
+        frame is held back; under load (the reader behind the producers) one write carries
+        several frames instead of one each. Order is the call's order."""
+        call, http = self.call, self.state.http
+        async with contextlib.aclosing(_frames_of(call)) as frames:
+            async for first in frames:
+                batch = [first]
+                while len(batch) < BATCH_MAX and queued(call):
+                    batch.append(await anext(frames))  # there: returns without waiting
+                out: list[tuple[Frame, bytes]] = []
+                for frame in batch:
+                    try:
+                        encoded = dumps(frame.value)
+                    except ValueEncodingError as exc:
+                        http.encoding_errors += 1
+                        self.extra_errors.append(encoding_error(frame, exc))
+                        continue
+                    out.append((frame, encoded))
+                if out:
+                    yield out
+
     def _gone(self) -> None:
         if not self.disconnected and not self._complete:
             self.disconnected = True
@@ -184,6 +236,9 @@ class CallResponse:
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+#: The most frames one NDJSON write carries (the call's ``high_water`` bounds the queue too).
+BATCH_MAX = 256
+
 _NDJSON_HEADERS = [
     (b"content-type", b"application/x-ndjson"),
     (b"cache-control", b"no-cache"),
@@ -199,14 +254,14 @@ class NdjsonCallResponse(CallResponse):
         await send({"type": "http.response.start", "status": 200, "headers": _NDJSON_HEADERS})
         n = nbytes = 0
         try:
-            async with contextlib.aclosing(self.frames()) as frames:
-                async for frame, value in frames:
+            async with contextlib.aclosing(self.batches()) as batches:
+                async for batch in batches:
                     if self.disconnected:
                         continue
-                    line = frame_line(frame, value)
-                    await send({"type": "http.response.body", "body": line, "more_body": True})
-                    n += 1
-                    nbytes += len(line)
+                    chunk = frame_lines(batch)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    n += len(batch)
+                    nbytes += len(chunk)
         finally:
             http.frames_out[graph] = http.frames_out.get(graph, 0) + n
             http.bytes_out += nbytes
