@@ -142,6 +142,12 @@ class Call:
             if not self._done.is_set():
                 self.status = "cancelled"
 
+    @property
+    def buffered(self) -> int:
+        """Frames delivered to this call and not yet read: the next ``buffered`` frames of
+        the iterator are taken without waiting (a writer may send them in one chunk)."""
+        return len(self._frames)
+
     def _congested(self) -> bool:
         return self._readers > 0 and len(self._frames) >= self.high_water
 

@@ -123,10 +123,8 @@ def frame_lines(frames: list[tuple[Frame, bytes]]) -> bytes:
 
 def queued(call: Call) -> int:
     """Frames already delivered to ``call`` and not yet read: these can be taken at once,
-    without waiting. (The runtime has no public count; its ``Call`` keeps them in
-    ``_frames``. Without it this says 0 and every frame is written on its own.)"""
-    buffered = getattr(call, "_frames", None)
-    return len(buffered) if buffered is not None else 0
+    without waiting."""
+    return call.buffered
 
 
 def done_line(call: Call, extra: list[dict[str, Any]]) -> bytes:
