@@ -23,7 +23,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 import torch
 
 from omniflow.compute._colocate import PoolSeat
+from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import EngineError, ModelLoadError
 from omniflow.compute._kv import PagePool
 
@@ -107,18 +107,7 @@ StreamT = TypeVar("StreamT", bound=StreamLike)
 
 def read_architectures(model_dir: str | Path) -> tuple[str, ...]:
     """The ``architectures`` a checkpoint's ``config.json`` names (empty when it names none)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ModelLoadError(
-            f"model directory {str(model_dir)!r} has no config.json; point the engine at a "
-            "Hugging Face-format directory (config.json, *.safetensors; tokenizer.json for an "
-            "LLM)",
-            path=str(model_dir),
-        ) from exc
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
+    raw = read_config_json(model_dir)
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     return tuple(a for a in archs or () if isinstance(a, str))
 

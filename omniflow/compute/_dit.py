@@ -29,15 +29,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import ModelLoadError
 from omniflow.compute._loader import load_weights, resolve_device, resolve_dtype
 from omniflow.compute._model import (
     ForwardBatch,
     SeqSlice,
-    _read_pages,
-    _read_store,
-    _write_pages,
+    attend_one,
+    paged_kv,
     rms_norm,
+    store_and_gather,
 )
 
 __all__ = [
@@ -74,10 +75,7 @@ class DitConfig:
     @classmethod
     def from_dir(cls, path: Path) -> DitConfig:
         cfg_path = path / "config.json"
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {cfg_path}: {exc}", path=str(cfg_path)) from exc
+        raw = read_config_json(path)
         if ARCH not in raw.get("architectures", []):
             raise ModelLoadError(
                 f"{cfg_path}: architectures {raw.get('architectures')!r} does not name {ARCH!r}; "
@@ -156,22 +154,8 @@ class DitModel:
         row = 0
         for s in seqs:
             rows = slice(row, row + s.q_len)
-            _write_pages(s.k_pages[li], s.start, k[rows])
-            _write_pages(s.v_pages[li], s.start, v[rows])
-            if s.stores is not None and s.block is not None:
-                keys = _read_store(s.stores[li][0], s.block, s.ctx_len)
-                values = _read_store(s.stores[li][1], s.block, s.ctx_len)
-            else:
-                keys = _read_pages(s.k_pages[li], s.ctx_len)
-                values = _read_pages(s.v_pages[li], s.ctx_len)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            outs.append(o.squeeze(0).transpose(0, 1).reshape(s.q_len, -1))
+            keys, values = paged_kv(s, li, k[rows], v[rows])
+            outs.append(attend_one(q[rows], keys, values, self.scale))
             row += s.q_len
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -229,13 +213,8 @@ class _PictureGroup:
     def attend(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        k_store, v_store = self.stores[li]
-        k_store[self.pages, self.offs] = k
-        v_store[self.pages, self.offs] = v
+        keys, values = store_and_gather(self.stores[li], self.pages, self.offs, self.table, k, v)
         b, n = self.size, self.tokens
-        flat, shape = self.table.flatten(), (b, -1, *k_store.shape[2:])
-        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)  # (B, kv_heads, L, d)
-        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
         qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # (B, heads, n, d)
         o = F.scaled_dot_product_attention(
             qs, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
