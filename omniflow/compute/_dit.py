@@ -34,11 +34,11 @@ from omniflow.compute._errors import ModelLoadError
 from omniflow.compute._loader import load_weights, resolve_device, resolve_dtype
 from omniflow.compute._model import (
     ForwardBatch,
+    PagedGroup,
     SeqSlice,
     attend_one,
     paged_kv,
     rms_norm,
-    store_and_gather,
 )
 
 __all__ = [
@@ -160,14 +160,14 @@ class DitModel:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-class _PictureGroup:
+class _PictureGroup(PagedGroup):
     """Every picture of a step whose pages sit in the pool's L1 arrays, attended as one padded
     batch (as the LLM's ``_DecodeGroup`` does for decode steps): the image tokens' K/V go into
     their pages with one indexed store, each picture's context + image K/V are gathered with one
     ``index_select`` over a padded page table, and one SDPA call masks each picture to its own
     length. All pictures of a DiT have the same ``num_tokens``."""
 
-    __slots__ = ("mask", "offs", "pages", "size", "stores", "table", "tokens")
+    __slots__ = ("tokens",)
 
     def __init__(
         self,
@@ -179,13 +179,8 @@ class _PictureGroup:
         table: torch.Tensor,
         mask: torch.Tensor,
     ) -> None:
-        self.stores = stores  #: per layer the pool's L1 (k, v) arrays
-        self.size = size  #: pictures in the step
+        super().__init__(stores, size, pages, offs, table, mask)
         self.tokens = tokens  #: image tokens per picture
-        self.pages = pages  #: (B * tokens,) L1 page each image token's K/V is written to
-        self.offs = offs  #: (B * tokens,) offset in that page
-        self.table = table  #: (B, max_pages) L1 pages of each picture, padded
-        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) positions each picture attends
 
     @classmethod
     def build(cls, seqs: list[SeqSlice]) -> _PictureGroup | None:
@@ -213,7 +208,7 @@ class _PictureGroup:
     def attend(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        keys, values = store_and_gather(self.stores[li], self.pages, self.offs, self.table, k, v)
+        keys, values = self.store_and_gather(li, k, v)
         b, n = self.size, self.tokens
         qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # (B, heads, n, d)
         o = F.scaled_dot_product_attention(

@@ -154,10 +154,11 @@ class LlamaModel:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-class _DecodeGroup:
-    """The leading one-token steps of a batch whose pages sit in the pool's L1 arrays: their
-    KV is written with one indexed store and read with one gather, and attention runs as one
-    padded batch (the per-layer cost no longer grows with a Python loop over sequences)."""
+class PagedGroup:
+    """Sequences of a step whose pages all sit in the pool's L1 arrays, attended as one padded
+    batch: the new K/V go into their pages with one indexed store, every member's pages are
+    gathered with one ``index_select`` over a padded page table, and the caller's one SDPA call
+    masks each member to its own positions (``_DecodeGroup`` here, ``_dit._PictureGroup``)."""
 
     __slots__ = ("mask", "offs", "pages", "size", "stores", "table")
 
@@ -171,11 +172,32 @@ class _DecodeGroup:
         mask: torch.Tensor,
     ) -> None:
         self.stores = stores  #: per layer the pool's L1 (k, v) arrays
-        self.size = size  #: sequences in the group (the first ``size`` rows of the batch)
-        self.pages = pages  #: (B,) L1 page each new token is written to
-        self.offs = offs  #: (B,) offset in that page
-        self.table = table  #: (B, max_pages) L1 pages of each sequence, padded
-        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) which positions to attend
+        self.size = size  #: members of the group
+        self.pages = pages  #: (new rows,) L1 page each new row's K/V is written to
+        self.offs = offs  #: (new rows,) offset in that page
+        self.table = table  #: (B, max_pages) L1 pages of each member, padded
+        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) which positions each attends
+
+    def store_and_gather(
+        self, li: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new rows' K/V of layer ``li`` at ``(pages, offs)``; every member's keys and
+        values as (B, kv_heads, max_pages * page_tokens, d)."""
+        k_store, v_store = self.stores[li]
+        k_store[self.pages, self.offs] = k
+        v_store[self.pages, self.offs] = v
+        flat, shape = self.table.flatten(), (self.size, -1, *k_store.shape[2:])
+        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)
+        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
+        return keys, values
+
+
+class _DecodeGroup(PagedGroup):
+    """The leading one-token steps of a batch whose pages sit in the pool's L1 arrays: their
+    KV is written with one indexed store and read with one gather, and attention runs as one
+    padded batch (the per-layer cost no longer grows with a Python loop over sequences)."""
+
+    __slots__ = ()
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], window: int | None) -> _DecodeGroup | None:
@@ -215,7 +237,7 @@ class _DecodeGroup:
     def attend(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        keys, values = store_and_gather(self.stores[li], self.pages, self.offs, self.table, k, v)
+        keys, values = self.store_and_gather(li, k, v)
         b = self.size
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
@@ -262,26 +284,6 @@ def attend_one(
         enable_gqa=True,
     )
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
-
-
-def store_and_gather(
-    store: tuple[torch.Tensor, torch.Tensor],
-    pages: torch.Tensor,
-    offs: torch.Tensor,
-    table: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A padded group's step in one layer's L1 ``(k, v)`` arrays: store the new rows at
-    ``(pages, offs)``, gather every member's pages of ``table`` (B, max_pages) as
-    (B, kv_heads, max_pages * page_tokens, d) keys and values."""
-    k_store, v_store = store
-    k_store[pages, offs] = k
-    v_store[pages, offs] = v
-    flat, shape = table.flatten(), (table.shape[0], -1, *k_store.shape[2:])
-    keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)
-    values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
-    return keys, values
 
 
 def _write_pages(pages: list[torch.Tensor], start: int, new: torch.Tensor) -> None:
