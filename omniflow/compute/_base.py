@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypedDict, TypeVar
 
 import torch
 
@@ -35,7 +35,26 @@ from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import EngineError, ModelLoadError
 from omniflow.compute._kv import PagePool
 
-__all__ = ["EngineBase", "Outbox", "engine_for_architecture", "read_architectures"]
+__all__ = [
+    "EngineBase",
+    "EngineOptions",
+    "Outbox",
+    "engine_for_architecture",
+    "read_architectures",
+]
+
+
+class EngineOptions(TypedDict, total=False):
+    """The keywords every engine passes on to ``EngineBase`` (their defaults live there once; an
+    engine with other defaults sets them before passing on)."""
+
+    pool: Any
+    max_batch: int
+    device: str | torch.device
+    dtype: str | torch.dtype
+    page_tokens: int
+    pool_pages: int
+
 
 #: architecture name (config.json "architectures") -> the engine class that runs it
 _ENGINES: dict[str, type[EngineBase[Any, Any, Any]]] = {}
