@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import ModelLoadError
-from omniflow.compute._loader import load_weights, resolve_device, resolve_dtype
+from omniflow.compute._loader import checkpoint_mismatch, load_checkpoint
 from omniflow.compute._model import (
     ForwardBatch,
     PagedGroup,
@@ -234,15 +234,10 @@ def load_dit(
     """Read a DiT checkpoint directory (config naming ``OmniflowDiT`` + safetensors)."""
     root = Path(path)
     cfg = DitConfig.from_dir(root)
-    dev = resolve_device(device)
-    weights = load_weights(root, dev, resolve_dtype(dtype, cfg, dev))
+    dev, weights = load_checkpoint(root, cfg, device, dtype)
     missing = [n for n in dit_tensor_names(cfg) if n not in weights]
     if missing:
-        raise ModelLoadError(
-            f"{root}: no tensor for {missing[:6]}; the checkpoint does not match its config "
-            f"({cfg.num_layers} layers)",
-            path=str(root),
-        )
+        raise checkpoint_mismatch(root, f"no tensor for {missing[:6]}", f"{cfg.num_layers} layers")
     return DitModel(cfg, weights, dev)
 
 
