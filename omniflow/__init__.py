@@ -42,41 +42,6 @@ from omniflow.runtime import Call, Deploy, Frame, Ray, Runtime
 
 __version__ = "0.1.0"
 
-#: Compute Flow names, imported on first use so ``import omniflow`` does not load torch.
-_COMPUTE = frozenset(
-    {
-        "DenoiseOutput",
-        "DenoiseRequest",
-        "DiTEngine",
-        "EncoderCache",
-        "Engine",
-        "EngineError",
-        "GenerateRequest",
-        "KvPoolBarrier",
-        "ModelLoadError",
-        "PublishedPrefix",
-        "RequestError",
-        "SamplingParams",
-        "SkipCopyBuffer",
-        "SkipCopyParameter",
-        "StepOutput",
-        "TorchEngine",
-        "pages_that_fit",
-        "shared_module",
-    }
-)
-
-
-def __getattr__(name: str) -> object:
-    if name in _COMPUTE:
-        from omniflow import compute
-
-        value = getattr(compute, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'omniflow' has no attribute {name!r}")
-
-
 __all__ = [
     "ALL",
     "ActivationContext",
@@ -130,3 +95,17 @@ __all__ = [
     "parse_graphs",
     "shared_module",
 ]
+
+#: Compute Flow names (those of ``__all__`` not imported above), imported on first use so
+#: ``import omniflow`` does not load torch.
+_COMPUTE = frozenset(__all__) - frozenset(globals())
+
+
+def __getattr__(name: str) -> object:
+    if name in _COMPUTE:
+        from omniflow import compute
+
+        value = getattr(compute, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'omniflow' has no attribute {name!r}")

@@ -19,13 +19,16 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from omniflow.cli import Subparsers
 
 __all__ = ["placement_from_args", "register", "run"]
+
+N = TypeVar("N", int, float)
 
 #: Named placements (CONTRACT §5, §6); a JSON object is an omniflow.Deploy spec.
 PLACEMENTS = ("inproc", "process", "ray")
@@ -33,31 +36,30 @@ REGISTRY_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def _port(text: str) -> int:
+def _number(text: str, kind: Callable[[str], N], noun: str) -> N:
+    """``kind(text)``, or the argparse error saying ``text`` is not ``noun``."""
     try:
-        port = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+
+
+def _port(text: str) -> int:
+    port = _number(text, int, "a port number")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not in 0..65535 (0 picks a free port)")
     return port
 
 
 def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    n = _number(text, int, "an integer")
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
 
 def _seconds(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    s = _number(text, float, "a number of seconds")
     if not s >= 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return s
@@ -71,10 +73,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _megabytes(text: str) -> float:
-    try:
-        mb = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB") from None
+    mb = _number(text, float, "a number of MiB")
     if not 0 <= mb < 2**20:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be >= 0 MiB, got {text}")
     return mb

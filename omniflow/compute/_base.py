@@ -23,19 +23,38 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypedDict, TypeVar
 
 import torch
 
 from omniflow.compute._colocate import PoolSeat
+from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import EngineError, ModelLoadError
 from omniflow.compute._kv import PagePool
 
-__all__ = ["EngineBase", "Outbox", "engine_for_architecture", "read_architectures"]
+__all__ = [
+    "EngineBase",
+    "EngineOptions",
+    "Outbox",
+    "engine_for_architecture",
+    "read_architectures",
+]
+
+
+class EngineOptions(TypedDict, total=False):
+    """The keywords every engine passes on to ``EngineBase`` (their defaults live there once; an
+    engine with other defaults sets them before passing on)."""
+
+    pool: Any
+    max_batch: int
+    device: str | torch.device
+    dtype: str | torch.dtype
+    page_tokens: int
+    pool_pages: int
+
 
 #: architecture name (config.json "architectures") -> the engine class that runs it
 _ENGINES: dict[str, type[EngineBase[Any, Any, Any]]] = {}
@@ -107,18 +126,7 @@ StreamT = TypeVar("StreamT", bound=StreamLike)
 
 def read_architectures(model_dir: str | Path) -> tuple[str, ...]:
     """The ``architectures`` a checkpoint's ``config.json`` names (empty when it names none)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ModelLoadError(
-            f"model directory {str(model_dir)!r} has no config.json; point the engine at a "
-            "Hugging Face-format directory (config.json, *.safetensors; tokenizer.json for an "
-            "LLM)",
-            path=str(model_dir),
-        ) from exc
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
+    raw = read_config_json(model_dir)
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     return tuple(a for a in archs or () if isinstance(a, str))
 

@@ -19,10 +19,28 @@ from typing import Any
 
 from omniflow.compute._errors import ModelLoadError
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "read_config_json"]
 
 #: model_type -> whether q/k/v projections carry a bias by default.
 SUPPORTED_MODEL_TYPES: dict[str, bool] = {"llama": False, "mistral": False, "qwen2": True}
+
+
+def read_config_json(model_dir: str | Path) -> Any:
+    """The parsed ``config.json`` of a checkpoint directory (the one place that reads it)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelLoadError(
+            f"model directory {str(model_dir)!r} has no config.json; point the engine at a "
+            "Hugging Face-format directory (config.json, *.safetensors; tokenizer.json for an "
+            "LLM)",
+            path=str(model_dir),
+        ) from exc
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}", path=str(path)) from exc
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +72,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` for extra EOS ids)."""
         path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise ModelLoadError(
-                f"model directory {str(model_dir)!r} has no config.json; point the engine at a "
-                "Hugging Face-format directory (config.json, *.safetensors, tokenizer.json)",
-                path=str(model_dir),
-            ) from exc
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON: {exc}", path=str(path)) from exc
+        raw = read_config_json(model_dir)
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.exists():
             gen = json.loads(gen_path.read_text())

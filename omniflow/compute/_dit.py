@@ -29,14 +29,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import ModelLoadError
-from omniflow.compute._loader import load_weights, resolve_device, resolve_dtype
+from omniflow.compute._loader import checkpoint_mismatch, load_checkpoint
 from omniflow.compute._model import (
     ForwardBatch,
+    PagedGroup,
     SeqSlice,
-    _read_pages,
-    _read_store,
-    _write_pages,
+    attend_one,
+    paged_kv,
     rms_norm,
 )
 
@@ -74,10 +75,7 @@ class DitConfig:
     @classmethod
     def from_dir(cls, path: Path) -> DitConfig:
         cfg_path = path / "config.json"
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {cfg_path}: {exc}", path=str(cfg_path)) from exc
+        raw = read_config_json(path)
         if ARCH not in raw.get("architectures", []):
             raise ModelLoadError(
                 f"{cfg_path}: architectures {raw.get('architectures')!r} does not name {ARCH!r}; "
@@ -156,34 +154,20 @@ class DitModel:
         row = 0
         for s in seqs:
             rows = slice(row, row + s.q_len)
-            _write_pages(s.k_pages[li], s.start, k[rows])
-            _write_pages(s.v_pages[li], s.start, v[rows])
-            if s.stores is not None and s.block is not None:
-                keys = _read_store(s.stores[li][0], s.block, s.ctx_len)
-                values = _read_store(s.stores[li][1], s.block, s.ctx_len)
-            else:
-                keys = _read_pages(s.k_pages[li], s.ctx_len)
-                values = _read_pages(s.v_pages[li], s.ctx_len)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            outs.append(o.squeeze(0).transpose(0, 1).reshape(s.q_len, -1))
+            keys, values = paged_kv(s, li, k[rows], v[rows])
+            outs.append(attend_one(q[rows], keys, values, self.scale))
             row += s.q_len
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-class _PictureGroup:
+class _PictureGroup(PagedGroup):
     """Every picture of a step whose pages sit in the pool's L1 arrays, attended as one padded
     batch (as the LLM's ``_DecodeGroup`` does for decode steps): the image tokens' K/V go into
     their pages with one indexed store, each picture's context + image K/V are gathered with one
     ``index_select`` over a padded page table, and one SDPA call masks each picture to its own
     length. All pictures of a DiT have the same ``num_tokens``."""
 
-    __slots__ = ("mask", "offs", "pages", "size", "stores", "table", "tokens")
+    __slots__ = ("tokens",)
 
     def __init__(
         self,
@@ -195,13 +179,8 @@ class _PictureGroup:
         table: torch.Tensor,
         mask: torch.Tensor,
     ) -> None:
-        self.stores = stores  #: per layer the pool's L1 (k, v) arrays
-        self.size = size  #: pictures in the step
+        super().__init__(stores, size, pages, offs, table, mask)
         self.tokens = tokens  #: image tokens per picture
-        self.pages = pages  #: (B * tokens,) L1 page each image token's K/V is written to
-        self.offs = offs  #: (B * tokens,) offset in that page
-        self.table = table  #: (B, max_pages) L1 pages of each picture, padded
-        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) positions each picture attends
 
     @classmethod
     def build(cls, seqs: list[SeqSlice]) -> _PictureGroup | None:
@@ -229,13 +208,8 @@ class _PictureGroup:
     def attend(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        k_store, v_store = self.stores[li]
-        k_store[self.pages, self.offs] = k
-        v_store[self.pages, self.offs] = v
+        keys, values = self.store_and_gather(li, k, v)
         b, n = self.size, self.tokens
-        flat, shape = self.table.flatten(), (b, -1, *k_store.shape[2:])
-        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)  # (B, kv_heads, L, d)
-        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
         qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # (B, heads, n, d)
         o = F.scaled_dot_product_attention(
             qs, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
@@ -260,15 +234,10 @@ def load_dit(
     """Read a DiT checkpoint directory (config naming ``OmniflowDiT`` + safetensors)."""
     root = Path(path)
     cfg = DitConfig.from_dir(root)
-    dev = resolve_device(device)
-    weights = load_weights(root, dev, resolve_dtype(dtype, cfg, dev))
+    dev, weights = load_checkpoint(root, cfg, device, dtype)
     missing = [n for n in dit_tensor_names(cfg) if n not in weights]
     if missing:
-        raise ModelLoadError(
-            f"{root}: no tensor for {missing[:6]}; the checkpoint does not match its config "
-            f"({cfg.num_layers} layers)",
-            path=str(root),
-        )
+        raise checkpoint_mismatch(root, f"no tensor for {missing[:6]}", f"{cfg.num_layers} layers")
     return DitModel(cfg, weights, dev)
 
 

@@ -20,12 +20,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from omniflow._exceptions import PoolExhaustedError
-from omniflow.compute._base import EngineBase, Outbox
+from omniflow.compute._base import EngineBase, EngineOptions, Outbox
 from omniflow.compute._dit import ARCH, DitConfig, DitModel, load_dit
 from omniflow.compute._dit_sched import DenoiseScheduler, DitSeq, StepKind
 from omniflow.compute._engine import PublishedPrefix
@@ -179,26 +179,10 @@ class DiTEngine(EngineBase[DenoiseRequest, DenoiseOutput, Outbox[DitSeq]]):
     architectures = frozenset({ARCH})
     _sched: DenoiseScheduler  #: the pure batching decisions, once started
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        pool: Any = None,
-        max_batch: int = 8,
-        device: str | torch.device = "auto",
-        dtype: str | torch.dtype = "auto",
-        page_tokens: int = 16,
-        pool_pages: int = 1024,
-    ) -> None:
-        super().__init__(
-            model_dir,
-            pool=pool,
-            max_batch=max_batch,
-            device=device,
-            dtype=dtype,
-            page_tokens=page_tokens,
-            pool_pages=pool_pages,
-        )
+    def __init__(self, model_dir: str | Path, **options: Unpack[EngineOptions]) -> None:
+        options.setdefault("max_batch", 8)  # the DiT engine's own defaults
+        options.setdefault("pool_pages", 1024)
+        super().__init__(model_dir, **options)
         self.config: DitConfig | None = None  #: the DiT's shape once started
 
     # ---- EngineBase hooks ------------------------------------------------------------------

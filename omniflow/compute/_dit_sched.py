@@ -19,10 +19,10 @@ allocates pages, runs the step and reports back with ``DitSeq.advance``.
 from __future__ import annotations
 
 import enum
-from collections import deque
 
 import torch
 
+from omniflow.compute._queues import RunQueues
 from omniflow.compute._sequence import SeqStatus
 
 __all__ = ["DenoiseScheduler", "DitSeq", "StepKind"]
@@ -94,54 +94,21 @@ class DitSeq:
         )
 
 
-class DenoiseScheduler:
-    """Waiting and running pictures of one DiT engine replica."""
-
-    def __init__(self, *, max_batch: int) -> None:
-        if max_batch < 1:
-            raise ValueError("need max_batch >= 1")
-        self.max_batch = max_batch  #: pictures denoised together
-        self.waiting: deque[DitSeq] = deque()  #: admitted, not yet running (FIFO)
-        self.running: list[DitSeq] = []  #: in admission order
-
-    def add(self, seq: DitSeq) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-
-    def requeue(self, seq: DitSeq) -> None:
-        """Back to the head of the queue (the pool could not give it its pages yet)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-
-    def remove(self, seq: DitSeq) -> None:
-        """Drop a picture (finished or aborted) from whichever queue holds it."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+class DenoiseScheduler(RunQueues[DitSeq]):
+    """Waiting and running pictures of one DiT engine replica (``max_batch``: pictures denoised
+    together)."""
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return self.holds()
 
     def schedule(self) -> list[DitSeq]:
         """The pictures whose next step runs in the next forward pass (all running ones)."""
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-        return list(self.running)
+        return list(self.admit())
 
     def validate(self) -> None:
         """Check the invariants (tests call this after every transition)."""
-        assert len(self.running) <= self.max_batch, "more running than max_batch"
-        ids = [s.request_id for s in [*self.running, *self.waiting]]
-        assert len(ids) == len(set(ids)), f"a picture is queued twice: {ids}"
+        self.validate_queues("picture")
         for s in self.running:
-            assert s.status is SeqStatus.RUNNING, f"{s} in running"
             assert 0 <= s.done < s.steps, f"{s}: step out of range"
         for s in self.waiting:
-            assert s.status is SeqStatus.WAITING, f"{s} in waiting"
             assert s.done < s.steps, f"{s}: finished but waiting"

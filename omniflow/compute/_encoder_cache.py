@@ -90,14 +90,21 @@ class EncoderCache:
         while len(self._data) > self.maxsize:
             self._data.popitem(last=False)
 
+    def _lookup(self, key: str) -> tuple[bool, Any]:
+        """(True, the cached output) counted as a hit and made most recent; (False, None)."""
+        if key not in self._data:
+            return False, None
+        self._data.move_to_end(key)
+        self.hits += 1
+        return True, self._data[key]
+
     def get_or_compute(self, payload: Any, encode: Callable[[Any], T]) -> T:
         """The cached output for ``payload``, or ``encode(payload)`` stored and returned."""
         key = payload_key(payload)
-        if key in self._data:
-            self._data.move_to_end(key)
-            self.hits += 1
-            value: T = self._data[key]
-            return value
+        found, value = self._lookup(key)
+        if found:
+            cached: T = value
+            return cached
         self.misses += 1
         out = encode(payload)
         self._store(key, out)
@@ -106,11 +113,10 @@ class EncoderCache:
     async def aget_or_compute(self, payload: Any, encode: Callable[[Any], Awaitable[T]]) -> T:
         """Async form; concurrent callers with the same payload share one ``encode``."""
         key = payload_key(payload)
-        if key in self._data:
-            self._data.move_to_end(key)
-            self.hits += 1
-            value: T = self._data[key]
-            return value
+        found, value = self._lookup(key)
+        if found:
+            cached: T = value
+            return cached
         pending = self._pending.get(key)
         if pending is not None:
             self.hits += 1

@@ -23,12 +23,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
-
-import torch
+from typing import Any, Self, Unpack
 
 from omniflow._exceptions import PoolExhaustedError
-from omniflow.compute._base import EngineBase
+from omniflow.compute._base import EngineBase, EngineOptions
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import EngineError, RequestError
 from omniflow.compute._inputs import build_inputs
@@ -104,24 +102,11 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         self,
         model_dir: str | Path,
         *,
-        pool: Any = None,
-        max_batch: int = 16,
         max_step_tokens: int = 512,
-        device: str | torch.device = "auto",
-        dtype: str | torch.dtype = "auto",
-        page_tokens: int = 16,
-        pool_pages: int = 4096,
         max_sessions: int = 1024,
+        **options: Unpack[EngineOptions],
     ) -> None:
-        super().__init__(
-            model_dir,
-            pool=pool,
-            max_batch=max_batch,
-            device=device,
-            dtype=dtype,
-            page_tokens=page_tokens,
-            pool_pages=pool_pages,
-        )
+        super().__init__(model_dir, **options)
         self.max_step_tokens = max_step_tokens  #: tokens per step (prefill chunk budget)
         self.config: ModelConfig | None = None  #: the model's config once started
         self.tokenizer: Tokenizer | None = None  #: None when the directory has no tokenizer.json

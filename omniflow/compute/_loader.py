@@ -19,7 +19,13 @@ from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import ModelLoadError
 from omniflow.compute._model import LlamaModel
 
-__all__ = ["load_model", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "checkpoint_mismatch",
+    "load_checkpoint",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -100,6 +106,23 @@ def load_weights(
     return weights
 
 
+def load_checkpoint(
+    root: Path, cfg: _SavedDtype, device: str | torch.device, dtype: str | torch.dtype
+) -> tuple[torch.device, dict[str, torch.Tensor]]:
+    """The resolved device and every tensor of the checkpoint at ``root`` on it, in the
+    resolved dtype (``resolve_device``, ``resolve_dtype``)."""
+    dev = resolve_device(device)
+    return dev, load_weights(root, dev, resolve_dtype(dtype, cfg, dev))
+
+
+def checkpoint_mismatch(root: Path, what: str, config: str) -> ModelLoadError:
+    """The error for a checkpoint whose tensors do not fit its config (``what`` is missing;
+    ``config`` sums the config up)."""
+    return ModelLoadError(
+        f"{root}: {what}; the checkpoint does not match its config ({config})", path=str(root)
+    )
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -109,16 +132,14 @@ def load_model(
     """Read config and weights of ``model_dir`` into a ready ``LlamaModel``."""
     root = Path(model_dir)
     cfg = ModelConfig.from_dir(root)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, cfg, dev)
-    weights = load_weights(root, dev, dt)
+    dev, weights = load_checkpoint(root, cfg, device, dtype)
     if cfg.tie_word_embeddings:  # the embedding matrix is the output head (as transformers ties)
         weights.pop("lm_head.weight", None)
     try:
         return LlamaModel(cfg, weights, dev)
     except KeyError as exc:
-        raise ModelLoadError(
-            f"{root}: tensor {exc.args[0]!r} is missing from the safetensors files; "
-            f"the checkpoint does not match its config ({cfg.model_type}, {cfg.num_layers} layers)",
-            path=str(root),
+        raise checkpoint_mismatch(
+            root,
+            f"tensor {exc.args[0]!r} is missing from the safetensors files",
+            f"{cfg.model_type}, {cfg.num_layers} layers",
         ) from exc

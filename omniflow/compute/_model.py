@@ -146,36 +146,19 @@ class LlamaModel:
             )
             row = decode.size
         for s, mask in zip(seqs[row:], masks[row:], strict=True):
-            kn, vn = k[row : row + s.q_len], v[row : row + s.q_len]
-            _write_pages(s.k_pages[li], s.start, kn)
-            _write_pages(s.v_pages[li], s.start, vn)
-            if s.start == 0:
-                keys, values = kn, vn
-            elif s.stores is not None and s.block is not None:
-                keys = _read_store(s.stores[li][0], s.block, s.ctx_len)
-                values = _read_store(s.stores[li][1], s.block, s.ctx_len)
-            else:
-                keys = _read_pages(s.k_pages[li], s.ctx_len)
-                values = _read_pages(s.v_pages[li], s.ctx_len)
-            qs = q[row : row + s.q_len].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs,
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None and s.q_len > 1,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            outs.append(o.squeeze(0).transpose(0, 1).reshape(s.q_len, -1))
+            rows = slice(row, row + s.q_len)
+            keys, values = paged_kv(s, li, k[rows], v[rows], new_only=s.start == 0)
+            causal = mask is None and s.q_len > 1
+            outs.append(attend_one(q[rows], keys, values, self.scale, mask=mask, causal=causal))
             row += s.q_len
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-class _DecodeGroup:
-    """The leading one-token steps of a batch whose pages sit in the pool's L1 arrays: their
-    KV is written with one indexed store and read with one gather, and attention runs as one
-    padded batch (the per-layer cost no longer grows with a Python loop over sequences)."""
+class PagedGroup:
+    """Sequences of a step whose pages all sit in the pool's L1 arrays, attended as one padded
+    batch: the new K/V go into their pages with one indexed store, every member's pages are
+    gathered with one ``index_select`` over a padded page table, and the caller's one SDPA call
+    masks each member to its own positions (``_DecodeGroup`` here, ``_dit._PictureGroup``)."""
 
     __slots__ = ("mask", "offs", "pages", "size", "stores", "table")
 
@@ -189,11 +172,32 @@ class _DecodeGroup:
         mask: torch.Tensor,
     ) -> None:
         self.stores = stores  #: per layer the pool's L1 (k, v) arrays
-        self.size = size  #: sequences in the group (the first ``size`` rows of the batch)
-        self.pages = pages  #: (B,) L1 page each new token is written to
-        self.offs = offs  #: (B,) offset in that page
-        self.table = table  #: (B, max_pages) L1 pages of each sequence, padded
-        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) which positions to attend
+        self.size = size  #: members of the group
+        self.pages = pages  #: (new rows,) L1 page each new row's K/V is written to
+        self.offs = offs  #: (new rows,) offset in that page
+        self.table = table  #: (B, max_pages) L1 pages of each member, padded
+        self.mask = mask  #: (B, 1, 1, max_pages * page_tokens) which positions each attends
+
+    def store_and_gather(
+        self, li: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new rows' K/V of layer ``li`` at ``(pages, offs)``; every member's keys and
+        values as (B, kv_heads, max_pages * page_tokens, d)."""
+        k_store, v_store = self.stores[li]
+        k_store[self.pages, self.offs] = k
+        v_store[self.pages, self.offs] = v
+        flat, shape = self.table.flatten(), (self.size, -1, *k_store.shape[2:])
+        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)
+        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
+        return keys, values
+
+
+class _DecodeGroup(PagedGroup):
+    """The leading one-token steps of a batch whose pages sit in the pool's L1 arrays: their
+    KV is written with one indexed store and read with one gather, and attention runs as one
+    padded batch (the per-layer cost no longer grows with a Python loop over sequences)."""
+
+    __slots__ = ()
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], window: int | None) -> _DecodeGroup | None:
@@ -233,17 +237,53 @@ class _DecodeGroup:
     def attend(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        k_store, v_store = self.stores[li]
-        k_store[self.pages, self.offs] = k
-        v_store[self.pages, self.offs] = v
+        keys, values = self.store_and_gather(li, k, v)
         b = self.size
-        flat, shape = self.table.flatten(), (b, -1, *k_store.shape[2:])
-        keys = k_store.index_select(0, flat).view(shape).transpose(1, 2)  # (B, kv_heads, L, d)
-        values = v_store.index_select(0, flat).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
         )
         return o.reshape(b, -1)
+
+
+def paged_kv(
+    s: SeqSlice, li: int, k: torch.Tensor, v: torch.Tensor, *, new_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a slice's new K/V (rows ``start`` on) into its layer-``li`` pages and return its
+    K/V up to ``ctx_len``: read from the pool's L1 arrays when it has a block table, else from
+    its pages; ``new_only`` (nothing before the new rows) returns ``(k, v)`` themselves."""
+    _write_pages(s.k_pages[li], s.start, k)
+    _write_pages(s.v_pages[li], s.start, v)
+    if new_only:
+        return k, v
+    if s.stores is not None and s.block is not None:
+        return (
+            _read_store(s.stores[li][0], s.block, s.ctx_len),
+            _read_store(s.stores[li][1], s.block, s.ctx_len),
+        )
+    return _read_pages(s.k_pages[li], s.ctx_len), _read_pages(s.v_pages[li], s.ctx_len)
+
+
+def attend_one(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA of one sequence: ``q`` (n, heads, d) over ``keys``/``values`` (L, kv_heads, d);
+    (n, heads * d) out."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def _write_pages(pages: list[torch.Tensor], start: int, new: torch.Tensor) -> None:

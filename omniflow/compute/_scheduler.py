@@ -16,10 +16,10 @@ token, and samples nothing until the input is closed. The async shell carries th
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
-from omniflow.compute._sequence import SeqStatus, Sequence
+from omniflow.compute._queues import RunQueues
+from omniflow.compute._sequence import Sequence
 
 __all__ = ["Scheduler", "StepPlan"]
 
@@ -35,35 +35,14 @@ class StepPlan:
         return not seq.input_open and seq.num_computed + n == len(seq.tokens)
 
 
-class Scheduler:
+class Scheduler(RunQueues[Sequence]):
     """Waiting and running sequences of one engine replica."""
 
     def __init__(self, *, max_batch: int, max_step_tokens: int) -> None:
         if max_batch < 1 or max_step_tokens < max_batch:
             raise ValueError("need max_batch >= 1 and max_step_tokens >= max_batch")
-        self.max_batch = max_batch  #: sequences running at once
+        super().__init__(max_batch=max_batch)
         self.max_step_tokens = max_step_tokens  #: tokens per forward pass (chunked prefill)
-        self.waiting: deque[Sequence] = deque()  #: admitted, not yet running (FIFO)
-        self.running: list[Sequence] = []  #: holding pages, in admission order
-
-    def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-
-    def requeue(self, seq: Sequence) -> None:
-        """Put a preempted sequence back at the head of the queue (its KV must be recomputed)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-
-    def remove(self, seq: Sequence) -> None:
-        """Drop a sequence (finished or aborted) from whichever queue holds it."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
 
     def has_work(self) -> bool:
         """Whether ``schedule()`` has something to do: admit a sequence, or compute a token of a
@@ -73,16 +52,9 @@ class Scheduler:
             return True
         return any(s.decoding or s.ready_prefill > 0 for s in self.running)
 
-    def holds(self) -> bool:
-        """Whether any sequence is queued or running (work or not)."""
-        return bool(self.running or self.waiting)
-
     def schedule(self) -> StepPlan:
         """The next step's plan; empty when there is nothing to do."""
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+        self.admit()
         plan = StepPlan()
         budget = self.max_step_tokens
         decoding = [s for s in self.running if s.decoding]
@@ -99,11 +71,6 @@ class Scheduler:
 
     def validate(self) -> None:
         """Check the invariants (tests call this after every transition)."""
-        assert len(self.running) <= self.max_batch, "more running than max_batch"
-        ids = [s.request_id for s in [*self.running, *self.waiting]]
-        assert len(ids) == len(set(ids)), f"a sequence is queued twice: {ids}"
+        self.validate_queues("sequence")
         for s in self.running:
-            assert s.status is SeqStatus.RUNNING, f"{s} in running"
             assert 0 <= s.num_computed < len(s.tokens), f"{s}: computed out of range"
-        for s in self.waiting:
-            assert s.status is SeqStatus.WAITING, f"{s} in waiting"

@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from omniflow.compute._base import Outbox
 from omniflow.compute._request import StepOutput
 from omniflow.compute._sampling import StopWatch
 from omniflow.compute._sequence import Sequence
@@ -15,22 +14,19 @@ from omniflow.compute._tokenizer import Detokenizer, Tokenizer
 __all__ = ["Stream"]
 
 
-class Stream:
-    """A request's outputs on their way to the ``generate`` iterator."""
+class Stream(Outbox[Sequence]):
+    """A request's outputs on their way to the ``generate`` iterator (an ``Outbox`` that also
+    turns sampled tokens into text; ``final`` is delivered after publication)."""
 
-    __slots__ = ("_detok", "_queue", "_watch", "closed", "final", "released", "seq", "session")
+    __slots__ = ("_detok", "_watch", "session")
 
     def __init__(
         self, seq: Sequence, session: str | None, tok: Tokenizer | None, stops: tuple[str, ...]
     ) -> None:
-        self.seq = seq  #: the engine's record
+        super().__init__(seq)
         self.session = session  #: where finished pages are published (None: not published)
         self._detok = Detokenizer(tok) if tok is not None else None
         self._watch = StopWatch(stops)
-        self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self.closed = False  #: no more tokens will be generated
-        self.final: StepOutput | None = None  #: the last output, delivered after publication
-        self.released = asyncio.Event()  #: set once the pool slots are released
 
     def on_token(self, token: int, reason: str | None) -> StepOutput:
         """The output for a newly sampled token (``reason``: finish reason from the ids)."""
@@ -54,14 +50,6 @@ class Stream:
             finish_reason=reason,
         )
 
-    def push(self, out: StepOutput) -> None:
-        self._queue.put_nowait(out)
-
-    def fail(self, exc: BaseException) -> None:
-        self._queue.put_nowait(exc)
-
     async def next(self) -> StepOutput:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        out: StepOutput = await super().next()
+        return out

@@ -108,12 +108,10 @@ class PoolCore:
         """One more reference to a block that is already held (for another consumer)."""
         block = self.block(block_id)
         if block.refs == 0:
-            raise InvalidBlockError(
-                f"pool '{self.name}': add_ref of block #{block_id} that nobody holds (idle in "
-                f"the cache under {block.cache_key!r}); borrow it with lookup(key) instead",
-                pool=self.name,
-                block_id=block_id,
-                offset=block.start * self.chunk_size,
+            raise self._invalid(
+                f"add_ref of block #{block_id} that nobody holds (idle in the cache under "
+                f"{block.cache_key!r}); borrow it with lookup(key) instead",
+                block,
             )
         self._ref(block, owner)
         return block
@@ -123,12 +121,10 @@ class PoolCore:
         block = self.block(block_id)
         if block.owners.get(owner, 0) == 0:
             held = f"held by {dict(block.owners)!r}" if block.refs else "it holds no references"
-            raise InvalidBlockError(
-                f"pool '{self.name}': release of block #{block_id} (offset "
-                f"{block.start * self.chunk_size}) below zero for owner {owner!r}: {held}",
-                pool=self.name,
-                block_id=block_id,
-                offset=block.start * self.chunk_size,
+            raise self._invalid(
+                f"release of block #{block_id} (offset {block.start * self.chunk_size}) below "
+                f"zero for owner {owner!r}: {held}",
+                block,
             )
         self._unref(block, owner, 1)
         return block.refs
@@ -173,6 +169,15 @@ class PoolCore:
         self._touch(block)
         self._counts["cache_hits"] += 1
         return block
+
+    def _invalid(self, message: str, block: Block) -> InvalidBlockError:
+        """The error for a misuse of the live ``block`` (its id and byte offset attached)."""
+        return InvalidBlockError(
+            f"pool '{self.name}': {message}",
+            pool=self.name,
+            block_id=block.block_id,
+            offset=block.start * self.chunk_size,
+        )
 
     # -- queries ----------------------------------------------------------------------------
 

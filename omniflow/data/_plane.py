@@ -31,7 +31,8 @@ from omniflow.data._attach import PoolAttachment
 from omniflow.data._handle import BlockHandle
 from omniflow.data._pool import SharedBufferPool
 from omniflow.data._ref import CONNECTORS, DataRef
-from omniflow.transport._auth import Opener, Sealer, WireStats
+from omniflow.transport._auth import Opener, WireStats
+from omniflow.transport._dealers import Dealers
 from omniflow.transport._protocol import (
     ProtocolError,
     Pull,
@@ -449,34 +450,25 @@ class PullClient:
     def __init__(self, key: bytes, stats: WireStats | None = None) -> None:
         #: Replies are authenticated with the cluster key before anything is decoded.
         self._opener = Opener(key, stats)
-        self._key = key
-        #: One sealer per producer connection (each connection's sends are in seal order).
-        self._sealers: dict[str, Sealer] = {}
-        self._conns: dict[str, Any] = {}
+        #: One connection, sealer and reader per producer address.
+        self._dealers = Dealers(key, self._read)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         #: Request id -> (address, pid) of the producer it waits on.
         self._asked: dict[int, tuple[str, int]] = {}
         #: Producers known to be gone, as (address, pid): a restarted one has a new pid.
         self._lost: set[tuple[str, int]] = set()
-        self._readers: list[asyncio.Task[None]] = []
         self._ids = iter(range(1, 1 << 62))
 
     async def pull(self, address: str, ref: DataRef) -> bytes | memoryview:
-        from omniflow.transport import connect
-
         if (address, ref.pid) in self._lost:
             raise _lost_error(address, ref)
-        ep = self._conns.get(address)
-        if ep is None:
-            ep = self._conns[address] = connect(address)
-            self._sealers[address] = Sealer(self._key)
-            self._readers.append(asyncio.get_running_loop().create_task(self._read(ep)))
+        ep, sealer = self._dealers.get(address)
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         self._asked[rid] = (address, ref.pid)
         try:
-            await ep.send(self._sealers[address].seal(encode_msg(Pull(rid, ref.handle))))
+            await ep.send(sealer.seal(encode_msg(Pull(rid, ref.handle))))
             data: bytes | memoryview = await fut
             return data
         except DataError as exc:
@@ -495,7 +487,7 @@ class PullClient:
             if where == (address, pid) and fut is not None and not fut.done():
                 fut.set_exception(DataError(f"producer {address} (pid {pid}) was lost"))
 
-    async def _read(self, ep: Any) -> None:
+    async def _read(self, _address: str, ep: Any) -> None:
         from omniflow._exceptions import RuntimeClosedError
 
         while True:
@@ -526,8 +518,4 @@ class PullClient:
                     self._opener.stats.drop("unknown_kind")
 
     def close(self) -> None:
-        for task in self._readers:
-            task.cancel()
-        for ep in self._conns.values():
-            ep.close()
-        self._conns.clear()
+        self._dealers.close()

@@ -40,11 +40,29 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypedDict
 
 from omniflow._exceptions import RegistryError, RuntimeClosedError
 
-__all__ = ["RegistryState", "Replica", "ServiceRegistry", "Snapshot", "Watch"]
+__all__ = [
+    "RegistryOptions",
+    "RegistryState",
+    "Replica",
+    "ServiceRegistry",
+    "Snapshot",
+    "Watch",
+]
+
+
+class RegistryOptions(TypedDict, total=False):
+    """The keywords every backend passes on to ``ServiceRegistry`` (defaults there, once)."""
+
+    heartbeat_interval: float
+    ttl: float | None
+    affinity_ttl: float | None
+    watch_interval: float | None
+    key: bytes | None
+
 
 logger = logging.getLogger("omniflow.registry")
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
-from omniflow.registry._base import Replica, ServiceRegistry
+from omniflow.registry._base import RegistryOptions, Replica, ServiceRegistry
 
 __all__ = ["MemoryRegistry", "MemoryStore"]
 
@@ -100,20 +101,9 @@ class MemoryRegistry(ServiceRegistry):
     def __init__(
         self,
         store: MemoryStore | None = None,
-        *,
-        heartbeat_interval: float = 1.0,
-        ttl: float | None = None,
-        affinity_ttl: float | None = 3600.0,
-        watch_interval: float | None = None,
-        key: bytes | None = None,
+        **options: Unpack[RegistryOptions],
     ) -> None:
-        super().__init__(
-            heartbeat_interval=heartbeat_interval,
-            ttl=ttl,
-            affinity_ttl=affinity_ttl,
-            watch_interval=watch_interval,
-            key=key,
-        )
+        super().__init__(**options)
         #: The shared state.
         self.store = store if store is not None else MemoryStore()
 

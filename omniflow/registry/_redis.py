@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Unpack
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -34,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from omniflow._exceptions import RegistryError
-from omniflow.registry._base import Replica, ServiceRegistry
+from omniflow.registry._base import RegistryOptions, Replica, ServiceRegistry
 
 __all__ = ["RedisRegistry"]
 
@@ -76,20 +76,10 @@ class RedisRegistry(ServiceRegistry):
         url: str = "redis://127.0.0.1:6379/0",
         *,
         namespace: str = "omniflow",
-        heartbeat_interval: float = 1.0,
-        ttl: float | None = None,
-        affinity_ttl: float | None = 3600.0,
-        watch_interval: float | None = None,
-        key: bytes | None = None,
         socket_timeout: float = 5.0,
+        **options: Unpack[RegistryOptions],
     ) -> None:
-        super().__init__(
-            heartbeat_interval=heartbeat_interval,
-            ttl=ttl,
-            affinity_ttl=affinity_ttl,
-            watch_interval=watch_interval,
-            key=key,
-        )
+        super().__init__(**options)
         #: The server, as given (password included; use ``redacted_url`` in messages).
         self.url = url
         #: The server without credentials.

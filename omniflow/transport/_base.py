@@ -28,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from types import TracebackType
-from typing import ClassVar, NamedTuple, Self
+from typing import ClassVar, NamedTuple, Self, TypeVar
 
 from omniflow._exceptions import RuntimeClosedError, TransportError
 from omniflow.transport._codec import Buffer
@@ -45,6 +45,8 @@ __all__ = [
     "register_transport",
     "transport_for",
 ]
+
+T = TypeVar("T")
 
 
 class Packet(NamedTuple):
@@ -105,16 +107,21 @@ class Endpoint(ABC):
                 f"{self.url}: a connected endpoint has a single peer; drop peer=", url=self.url
             )
 
-    async def recv(self) -> Packet:
-        """Wait for the next message; raises RuntimeClosedError if the endpoint closes."""
-        self._check_open("recv")
+    async def _receiving(self, waiting: Awaitable[T]) -> T:
+        """Await a receive; a cancel that comes from ``close()`` (not from our caller) is a
+        RuntimeClosedError."""
         try:
-            packet = await self._recv()
+            return await waiting
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self.state is EndpointState.CLOSED and (task is None or not task.cancelling()):
                 raise self._closed_error("recv") from None
             raise
+
+    async def recv(self) -> Packet:
+        """Wait for the next message; raises RuntimeClosedError if the endpoint closes."""
+        self._check_open("recv")
+        packet = await self._receiving(self._recv())
         self._received += 1
         self._received_bytes += _nbytes(packet.frames)
         return packet
@@ -123,13 +130,7 @@ class Endpoint(ABC):
         """Wait for at least one message; return it and every message already waiting, in
         order (one wake-up for a burst). Raises RuntimeClosedError if the endpoint closes."""
         self._check_open("recv")
-        try:
-            packets = await self._recv_batch()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.state is EndpointState.CLOSED and (task is None or not task.cancelling()):
-                raise self._closed_error("recv") from None
-            raise
+        packets = await self._receiving(self._recv_batch())
         self._received += len(packets)
         self._received_bytes += sum(_nbytes(p.frames) for p in packets)
         return packets

@@ -15,7 +15,7 @@ from omniflow._exceptions import PoolExhaustedError
 from omniflow.data.kv._fetch import PoolFetch
 from omniflow.data.kv._layout import Match
 from omniflow.data.kv._shell import check_owner
-from omniflow.data.kv._slots import L1
+from omniflow.data.kv._slots import L1, unindex
 
 __all__ = ["PoolMatch"]
 
@@ -133,11 +133,7 @@ class PoolMatch(PoolFetch):
             self._core.unpin(slot, owner)
             return
         f.owners.discard(owner)
-        mine = self._owner_foreign.get(owner)
-        if mine is not None:
-            mine.discard(slot)
-            if not mine:
-                del self._owner_foreign[owner]
+        unindex(self._owner_foreign, owner, slot)
         if not f.owners:
             del self._foreign[slot]
             _, meta, _ = self._ready()

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from omniflow._exceptions import DataError, DataTimeoutError, RuntimeClosedError
-from omniflow.transport import bind, connect, decode_message, encode
+from omniflow.transport import bind, decode_message, encode
 from omniflow.transport._auth import Opener, Sealer, WireStats
+from omniflow.transport._dealers import Dealers
 
 __all__ = ["PageSource", "PullClient", "PullServer"]
 
@@ -138,33 +139,23 @@ class PullClient:
 
     def __init__(self, key: bytes, stats: WireStats, timeout: float = 30.0) -> None:
         self.timeout = timeout
-        self._key = key
         self._stats = stats
         self._opener = Opener(key, stats)
-        self._conns: dict[str, Any] = {}
-        self._sealers: dict[str, Sealer] = {}
-        self._readers: list[asyncio.Task[None]] = []
+        self._dealers = Dealers(key, self._read, random_identity=True)
         #: nonce -> (address asked, future of the answer's body).
         self._waiting: dict[bytes, tuple[str, asyncio.Future[Any]]] = {}
 
     def rekey(self, key: bytes) -> None:
         """Use ``key`` from now on (new sealers; answers under the old key fail as misses)."""
-        self._key = key
         self._opener = Opener(key, self._stats)
-        self._sealers.clear()
+        self._dealers.rekey(key)
 
     async def pull(
         self, address: str, pool: str, node: str, keys: Sequence[str]
     ) -> tuple[list[int], list[Any]]:
         """The fills and page buffers of ``keys`` from the pool ``node`` at ``address``; a
         DataError (or DataTimeoutError) when no authentic answer comes."""
-        ep = self._conns.get(address)
-        if ep is None:
-            ep = self._conns[address] = connect(address, identity=secrets.token_bytes(8))
-            self._readers.append(asyncio.get_running_loop().create_task(self._read(address, ep)))
-        sealer = self._sealers.get(address)
-        if sealer is None:
-            sealer = self._sealers[address] = Sealer(self._key)
+        ep, sealer = self._dealers.get(address)
         nonce = secrets.token_bytes(NONCE_BYTES)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[nonce] = (address, fut)
@@ -230,8 +221,4 @@ class PullClient:
                 fut.set_exception(DataError(f"pull answer from {address} of unknown kind"))
 
     def close(self) -> None:
-        for task in self._readers:
-            task.cancel()
-        for ep in self._conns.values():
-            ep.close()
-        self._conns.clear()
+        self._dealers.close()

@@ -40,11 +40,21 @@ from omniflow._exceptions import PoolExhaustedError
 from omniflow.data._chunks import _check
 from omniflow.data.kv._sketch import CountMinSketch
 
-__all__ = ["L1", "L2", "L3", "LEVELS", "TIERS", "Move", "Plan", "Slot", "SlotCore"]
+__all__ = ["L1", "L2", "L3", "LEVELS", "TIERS", "Move", "Plan", "Slot", "SlotCore", "unindex"]
 
 L1, L2, L3 = 0, 1, 2
 TIERS = ("l1", "l2", "l3")
 LEVELS = ("cold", "warm1", "warm2", "hot")
+
+
+def unindex(index: dict[str, set[int]], owner: str, slot: int) -> None:
+    """Drop ``slot`` from ``owner``'s set in an owner -> slots index (and the owner with its
+    last slot)."""
+    held = index.get(owner)
+    if held is not None:
+        held.discard(slot)
+        if not held:
+            del index[owner]
 
 
 def level_of(freq: int) -> int:
@@ -191,11 +201,7 @@ class SlotCore:
         """Drop ``owner``'s pin; an unpublished page nobody pins is freed (returns True)."""
         s = self.slot(slot)
         s.active.discard(owner)
-        held = self._by_owner.get(owner)
-        if held is not None:
-            held.discard(slot)
-            if not held:
-                del self._by_owner[owner]
+        unindex(self._by_owner, owner, slot)
         if s.key is None and not (s.active or s.writes or s.readbacks or s.evicts):
             self._remove(s)
             return True
