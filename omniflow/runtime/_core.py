@@ -235,7 +235,8 @@ class CallCore:
         """Take one stimulus; answer what the shell must do (see ``_stimuli``)."""
         self.stimuli += 1
         if type(stimulus) is Returned and not self.crashed:
-            # ``_on_returned``, inlined: the stimulus of nearly every activation.
+            # A coroutine method returned (the stimulus of nearly every activation, handled
+            # inline): its frame (unless None) then its end, settled once.
             act, value, settle = stimulus
             story = self._story
             if story is not None:
@@ -315,18 +316,6 @@ class CallCore:
                 self._settle()
             return True
         return False
-
-    def _on_returned(self, ev: Returned) -> bool:
-        """A coroutine method returned: its frame (unless None) then its end, settled once."""
-        act = ev.act
-        story = self._story
-        if story is not None:  # ``_log``, inlined: once per activation
-            story.append((self.call_id, self.stimuli, "return", act.node, act.aid))
-        value = ev.value
-        if value is not None and not self.closing and act.state is RUNNING:
-            self._frame(act, value)
-        self._done(act, None, ev.settle)
-        return True
 
     def _on_ended(self, ev: Ended) -> bool:
         act = ev.act
@@ -561,13 +550,13 @@ class CallCore:
                         self._hold(value)
                     self.n_acts += 1
                     if self._counted:  # ``Liveness.inc``, inlined (once per hop)
+                        # Every entry of the table is live already: the producer's activation
+                        # (or the call's input hold) counts under the older ones, FRAME under
+                        # a stamped frame's own.
                         counts = self.live.counts
                         for e in table:
-                            d = counts.get(e)
-                            if d is None:
-                                counts[e] = {dst: 1}
-                            else:
-                                d[dst] = d.get(dst, 0) + 1
+                            d = counts[e]
+                            d[dst] = d.get(dst, 0) + 1
                     self.running.add(act)
                     self._out_run.append(act)
                     continue
@@ -1277,9 +1266,8 @@ class CallCore:
 
 _NONE: dict[str, int] = {}
 
-#: Stimulus type -> its handler.
+#: Stimulus type -> its handler (``Returned`` is handled inline by ``CallCore.handle``).
 _HANDLERS: dict[type, Callable[[CallCore, Any], bool]] = {
-    Returned: CallCore._on_returned,
     Produced: CallCore._on_produced,
     Ended: CallCore._on_ended,
     Settle: CallCore._on_settle,
@@ -1288,7 +1276,7 @@ _HANDLERS: dict[type, Callable[[CallCore, Any], bool]] = {
     Crash: CallCore._on_crash,
 }
 _IGNORE_ALL: dict[type, Callable[[CallCore, Any], bool]] = dict.fromkeys(
-    _HANDLERS, CallCore._ignore
+    (Returned, *_HANDLERS), CallCore._ignore
 )
 _new = tuple.__new__
 
