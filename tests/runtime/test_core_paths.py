@@ -361,3 +361,58 @@ def test_a_loop_past_max_iterations_retires_the_work_its_frame_already_started()
     assert core._running_per_node == {"capped.run": 0} and core.refcounts == {}
     core.validate()
     assert sh(Cancel()).finished  # a second cancel of a closed call changes nothing
+
+
+def test_settle_timeout_and_a_closing_call_refusing_frames() -> None:
+    """SETTLE on a settled call changes nothing; a timeout's own error is recorded first and
+    the call ends "error"; a frame of a method still running in a closing call is refused."""
+    from omniflow._exceptions import NodeError
+    from omniflow.runtime._stimuli import NOTHING, CancelKind
+
+    core = CallCore(QUEUED, "c10")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 1})).run
+    assert sh(SETTLE) is NOTHING
+    timeout = NodeError("<call>", "deadline passed", kind="error", call_id="c10")
+    ins = sh(Cancel(CancelKind.TIMEOUT, "deadline passed", timeout))
+    assert ins.cancel == (gen,) and core.errors == [timeout]
+    assert not sh(Produced(gen, {"item": 1})).accepted
+    assert not core._out_run and core.n_acts == 1  # nothing admitted after closing
+    sh.drain()
+    assert core.status == "error"
+
+
+def test_a_crashed_call_ignores_every_later_stimulus() -> None:
+    from omniflow.runtime._stimuli import Crash
+
+    core, sh = _midway()
+    running = list(core.running)
+    ins = sh(Crash(RuntimeError("bug")))
+    assert ins.finished and set(ins.cancel) == set(running)
+    for stimulus in (SETTLE, Returned(running[0], None), Ended(running[0]), Cancel()):
+        assert core.handle(stimulus).accepted is False
+    assert running[0].state is ActState.RUNNING  # nothing moved after the crash
+
+
+def test_frames_after_a_bucket_fired_are_errors_naming_the_rule() -> None:
+    """join takes exactly two y frames (a third breaks activate_by_count, though its bucket
+    already fired); pick's plain x meets two producers frame by frame (a second x breaks it)."""
+    core = CallCore(COMPILED["mixed"], "c11")
+    sh = _Shell(core)
+    (split,) = sh(Start({"request": 1})).run
+    sh(Produced(split, {"a": 1}))
+    (left,) = sh.of("left.run")
+    (right,) = sh.of("right.run")
+    sh(Produced(right, {"y": 2}))
+    sh(Produced(right, {"y": 3}))
+    assert [a.kwargs["y"] for a in sh.of("join.run")] == [[2, 3]]
+    assert [e.node for e in core.errors] == ["merge.run"]  # merge's y is plain
+    sh(Produced(right, {"y": 4}))
+    assert "more than activate_by_count=2" in str(core.errors[-1])
+    assert (core.errors[-1].node, core.errors[-1].field) == ("join.run", "y")
+    sh(Returned(left, {"x": 1}))
+    sh(Produced(right, {"x": 2}))
+    assert (core.errors[-1].node, core.errors[-1].field) == ("pick.run", "x")
+    core.validate()
+    sh.drain()
+    assert core.status == "error"
