@@ -416,3 +416,94 @@ def test_frames_after_a_bucket_fired_are_errors_naming_the_rule() -> None:
     core.validate()
     sh.drain()
     assert core.status == "error"
+
+
+def test_stream_order_keeps_items_of_one_index_and_refuses_a_settled_one() -> None:
+    from omniflow.runtime._ordering import StreamOrder
+
+    so = StreamOrder("gen.run", 1)
+    so.push(0, (1, "b"))
+    so.push(0, (0, "a"))  # same index: kept in push order, picked by key
+    so.push(1, (0, "c"))
+    assert so.pop_current(lambda item: item[0]) == (0, "a")
+    assert so.pop_current() == (1, "b") and so.pop_current() is None
+    so.advance()
+    with pytest.raises(AssertionError, match=r"index 0 arrived after 1 settled"):
+        so.push(0, (0, "late"))
+    assert so.take_current() == [(0, "c")]
+
+
+# ------------------------------------------------------------------ two latches
+
+
+class _Voice(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["style", "voice"])
+    async def run(self, request: Any) -> Any:
+        yield {"style": request}
+
+
+class _Toks(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["tok"])
+    async def run(self, request: Any) -> Any:
+        yield {"tok": request}
+
+
+class _Say(of.Role):
+    @of.interface(inputs_or=[["tok", "style", "voice"]], outputs=["said"], latch=("style", "voice"))
+    async def run(self, tok: Any, style: Any, voice: Any) -> Any:
+        return {"said": tok}
+
+
+LATCH2 = compile_plan(
+    of.parse(
+        of.Graph(
+            "latch2",
+            roles={"v": _Voice(), "t": _Toks(), "say": _Say()},
+            inputs=[of.Placeholder("request")],
+            outputs=["said"],
+        )
+    )
+)
+
+
+def _latch2(call: str) -> tuple[CallCore, _Shell, Activation, Activation]:
+    core = CallCore(LATCH2, call)
+    sh = _Shell(core)
+    sh(Start({"request": 1}))
+    (v,) = sh.of("v.run")
+    (t,) = sh.of("t.run")
+    return core, sh, v, t
+
+
+def test_an_activation_parked_on_its_second_latch_keeps_the_first_value() -> None:
+    ref = _ref(7)
+    core, sh, v, t = _latch2("c12")
+    first = LATCH2.latch_of[("say.run", 0)][0]
+    second = "voice" if first == "style" else "style"
+    sh(Produced(v, {first: "one"}))
+    sh(Produced(t, {"tok": ref}))  # pairs the first latch, parks on the second
+    assert core._n_parked == 1 and not sh.of("say.run")
+    core.validate()
+    sh(Produced(v, {second: ref}))
+    (say,) = sh.of("say.run")
+    assert say.kwargs == {"tok": ref, first: "one", second: ref}
+    assert say.refs == [ref, ref] and core.refcounts == {ref: 3}
+    core.validate()
+    sh.drain()
+    assert sh.released == [ref] and core.status == "ok"
+
+
+def test_a_latch_that_ended_empty_kills_parked_and_later_activations() -> None:
+    ref = _ref(8)
+    core, sh, v, t = _latch2("c13")
+    sh(Produced(t, {"tok": ref}))
+    assert core._n_parked == 1
+    sh(Ended(v))  # no latched frame ever: the parked activation is DEAD, with a warning
+    assert core._n_parked == 0 and len(core.warnings) == 1
+    assert core.refcounts == {} and sh.released == [ref]
+    sh(Produced(t, {"tok": 2}))  # a later one is DEAD at once
+    assert len(core.warnings) == 2 and not sh.of("say.run")
+    assert all(w["node"] == "say.run" for w in core.warnings)
+    core.validate()
+    sh.drain()
+    assert core.status == "ok"
