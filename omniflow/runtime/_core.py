@@ -543,7 +543,11 @@ class CallCore:
                 if bspec is not None:
                     self._arrive(bspec, src, f, value, table, seq)
                     continue
-                if direct and not self.closing:  # no latch, loop bound, order or throttle
+                if self.closing:
+                    # A closing call starts nothing. (Holding the ref for an activation that
+                    # is dropped at once would release it once per such route.)
+                    continue
+                if direct:  # no latch, loop bound, order or throttle
                     act = Activation(next(self._aids), dst, g, {f: value}, table, seq, RUNNING)
                     if is_ref:
                         act.refs = [value]

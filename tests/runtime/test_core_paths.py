@@ -88,7 +88,7 @@ ECHO = compile_plan(
 
 
 class _Gen(of.Role):
-    @of.interface(inputs_or=[["request"]], outputs=["item"])
+    @of.interface(inputs_or=[["request"]], outputs=["item", "unused"])
     async def run(self, request: Any) -> Any:
         yield {"item": request}
 
@@ -507,3 +507,41 @@ def test_a_latch_that_ended_empty_kills_parked_and_later_activations() -> None:
     core.validate()
     sh.drain()
     assert core.status == "ok"
+
+
+def test_one_activation_started_and_a_ref_released_in_one_answer() -> None:
+    """slow#1 held the ref last: its end releases it and starts the blocked slow#2 (a batch
+    of one is not shuffled); a stamped field nobody consumes is dropped; a NodeError a
+    method raises about itself is recorded as it is."""
+    from omniflow._exceptions import NodeError
+
+    ref = _ref(10)
+    core = CallCore(QUEUED, "c14", shuffle=random.Random(2))
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 1})).run
+    sh(Produced(gen, {"item": ref, "unused": 0}))
+    (ordered,) = sh.of("ordered.run")
+    sh(Ended(ordered))
+    sh(Produced(gen, {"item": 2}))
+    (slow,) = sh.of("slow.run")
+    assert core.refcounts == {ref: 1}
+    own = NodeError("slow.run", "model refused", kind="error", call_id="c14")
+    ins = sh(Ended(slow, own))
+    assert ins.release == (ref,) and [a.kwargs for a in ins.run] == [{"item": 2}]
+    assert core.errors == [own]
+    sh.drain()
+    assert core.status == "error"
+
+
+def test_fields_after_the_breaking_one_are_dropped_in_a_closing_call() -> None:
+    """A frame whose first field breaks max_iterations: the fields after it reach a closing
+    call, which starts nothing for them and holds nothing (their ref is never released,
+    let alone once per route)."""
+    ref = _ref(11)
+    core = CallCore(LOOP, "c15")
+    sh = _Shell(core)
+    (loop,) = sh(Start({"request": 1})).run
+    ins = sh(Returned(loop, {"again": 1, "side": ref}))
+    assert not ins.run and ins.finished and not ins.release
+    assert core.status == "error" and core.refcounts == {}
+    core.validate()
