@@ -1286,10 +1286,12 @@ _new = tuple.__new__
 
 
 def _seq_in(table: Table, c: Compiled) -> Entry:
-    for e in reversed(table):
-        if e[0] in c.seq_nodes:
-            return e
-    return INPUT_ENTRY
+    """The nearest SeqId entry of ``table``. Every table starts with the call's own entry
+    (``INPUT_ENTRY``; "<input>" counts among ``seq_nodes``), so the search stops there."""
+    i = len(table) - 1
+    while table[i][0] not in c.seq_nodes:
+        i -= 1
+    return table[i]
 
 
 def _group_of(act: Activation) -> int:

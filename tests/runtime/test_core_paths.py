@@ -545,3 +545,49 @@ def test_fields_after_the_breaking_one_are_dropped_in_a_closing_call() -> None:
     assert not ins.run and ins.finished and not ins.release
     assert core.status == "error" and core.refcounts == {}
     core.validate()
+
+
+# ------------------------------------------------------------------ session OR groups
+
+
+class _Two(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["p", "q"])
+    async def run(self, request: Any) -> Any:
+        yield {"q": request, "p": request}
+
+
+class _Either(of.Role):
+    @of.interface(inputs_or=[["p"], ["q"]], outputs=["got"], lb="session")
+    async def run(self, p: Any = None, q: Any = None) -> Any:
+        return {"got": (p, q)}
+
+
+EITHER = compile_plan(
+    of.parse(
+        of.Graph(
+            "either",
+            roles={"two": _Two(), "either": _Either()},
+            inputs=[of.Placeholder("request")],
+            outputs=["got"],
+        )
+    )
+)
+
+
+def test_a_session_node_runs_one_index_in_or_group_declaration_order() -> None:
+    """q's activation (group 1) arrives before p's (group 0) within one frame: the session
+    node still runs group 0 first, one at a time, then group 1, then the next index."""
+    core = CallCore(EITHER, "c16")
+    sh = _Shell(core)
+    (two,) = sh(Start({"request": 1})).run
+    sh(Produced(two, {"q": "q0", "p": "p0"}))
+    sh(Produced(two, {"q": "q1"}))
+    order = []
+    while sh.of("either.run"):
+        (act,) = sh.of("either.run")
+        order.append((act.group, act.kwargs))
+        core.validate()
+        sh(Returned(act, None))
+    assert order == [(0, {"p": "p0"}), (1, {"q": "q0"}), (1, {"q": "q1"})]
+    sh.drain()
+    assert core.status == "ok"
