@@ -1046,12 +1046,12 @@ class CallCore:
         b.retired = True
         del self.buckets[bid]
         self._spent[bid] = how
-        ws = self._waiters.get(b.key)
-        if ws is not None and b in ws:
-            ws.discard(b)
-            self.live.unwatch(b.key)
-            if not ws:
-                del self._waiters[b.key]
+        # A gathering bucket is always watched under its key (``validate`` checks it).
+        ws = self._waiters[b.key]
+        ws.remove(b)
+        self.live.unwatch(b.key)
+        if not ws:
+            del self._waiters[b.key]
 
     def _drop_bucket(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
         self._retire_bucket(bid, b, "dead")

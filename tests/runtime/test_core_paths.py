@@ -591,3 +591,73 @@ def test_a_session_node_runs_one_index_in_or_group_declaration_order() -> None:
     assert order == [(0, {"p": "p0"}), (1, {"q": "q0"}), (1, {"q": "q1"})]
     sh.drain()
     assert core.status == "ok"
+
+
+class _Gather(of.Role):
+    @of.interface(inputs_or=[["tok", "style"]], outputs=["said"], collect=["tok"], latch=("style",))
+    async def run(self, tok: Any, style: Any) -> Any:
+        return {"said": tok}
+
+
+def test_bucket_specs_leave_latched_fields_to_the_latch() -> None:
+    """A collecting node with a latched field: its bucket gathers tok only; style is paired
+    with the activation after it fires."""
+    c = compile_plan(
+        of.parse(
+            of.Graph(
+                "gather",
+                roles={"v": _Voice(), "t": _Toks(), "say": _Gather()},
+                inputs=[of.Placeholder("request")],
+                outputs=["said"],
+            )
+        )
+    )
+    assert "say.run" in c.bucket_nodes and c.latch_of[("say.run", 0)] == ("style",)
+    ((dst, group, bspec, _direct),) = c.fanout["t.run"]["tok"][0]
+    assert (dst, group) == ("say.run", 0) and bspec is not None
+    assert [f.name for f in bspec.fields] == ["tok"]
+
+
+class _A(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["x"])
+    async def run(self, request: Any) -> Any:
+        return {"x": request}
+
+
+class _B(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["y"])
+    async def run(self, request: Any) -> Any:
+        return None
+
+
+class _Both(of.Role):
+    @of.interface(inputs_or=[["x", "y"]], outputs=["both"], collect=["x", "y"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"both": (x, y)}
+
+
+BOTH = compile_plan(
+    of.parse(
+        of.Graph(
+            "both",
+            roles={"a": _A(), "b": _B(), "both": _Both()},
+            inputs=[of.Placeholder("request")],
+            outputs=["both"],
+        )
+    )
+)
+
+
+def test_a_collect_bucket_dies_when_a_critical_field_ends_empty_and_warns() -> None:
+    """x arrived, y's only producer ended without a frame: the bucket is DEAD, the warning
+    names y, and x's frame (a ref) is let go; with only collected fields there is no input
+    rule left for a straggler to break."""
+    ref = _ref(12)
+    core = CallCore(BOTH, "c17")
+    sh = _Shell(core)
+    a, b = sorted(sh(Start({"request": 1})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": ref}))
+    ins = sh(Returned(b, None))
+    assert ins.finished and ins.release == (ref,)
+    assert [(w["node"], w["field"]) for w in core.warnings] == [("both.run", "y")]
+    assert not core._dead_seen and core.status == "ok"
