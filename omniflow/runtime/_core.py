@@ -38,7 +38,6 @@ from omniflow.runtime._buckets import (
     BucketSpec,
     Dead,
     Fire,
-    Wait,
     quiescent_pick,
     rule_error,
 )
@@ -986,9 +985,7 @@ class CallCore:
         if reason is None:
             if b.open:
                 return  # still waiting for a field
-            verdict = b.decide()
-            if type(verdict) is Wait:
-                return
+            verdict = b.decide()  # nothing open: Fire or Dead, never Wait
         else:
             verdict = Dead(reason)
         spec = b.spec
