@@ -661,3 +661,51 @@ def test_a_collect_bucket_dies_when_a_critical_field_ends_empty_and_warns() -> N
     assert ins.finished and ins.release == (ref,)
     assert [(w["node"], w["field"]) for w in core.warnings] == [("both.run", "y")]
     assert not core._dead_seen and core.status == "ok"
+
+
+class _Feed(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["item", "other"])
+    async def run(self, request: Any) -> Any:
+        yield {"item": request}
+
+
+class _Styled(of.Role):
+    @of.interface(
+        inputs_or=[["item", "style"], ["other"]], outputs=["got"], lb="session", latch=("style",)
+    )
+    async def run(self, item: Any = None, style: Any = None, other: Any = None) -> Any:
+        return {"got": (item, other)}
+
+
+STYLED = compile_plan(
+    of.parse(
+        of.Graph(
+            "styled",
+            roles={"feed": _Feed(), "v": _Voice(), "styled": _Styled()},
+            inputs=[of.Placeholder("request")],
+            outputs=["got"],
+        )
+    )
+)
+
+
+def test_a_session_index_waits_for_its_activation_parked_on_a_latch() -> None:
+    """Index 0's activation waits for style (parked); index 1's is ready but must not run
+    before it: the session order holds until style comes and index 0 ran."""
+    core = CallCore(STYLED, "c18")
+    sh = _Shell(core)
+    sh(Start({"request": 1}))
+    (feed,) = sh.of("feed.run")
+    (v,) = sh.of("v.run")
+    sh(Produced(feed, {"item": "i0"}))
+    sh(Produced(feed, {"other": "o1"}))
+    assert not sh.of("styled.run") and core._n_parked == 1
+    core.validate()
+    sh(Produced(v, {"style": "s"}))
+    (first,) = sh.of("styled.run")
+    assert first.kwargs == {"item": "i0", "style": "s"}
+    sh(Returned(first, None))
+    (second,) = sh.of("styled.run")
+    assert second.kwargs == {"other": "o1"}
+    sh.drain()
+    assert core.status == "ok"
