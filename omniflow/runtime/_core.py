@@ -38,7 +38,6 @@ from omniflow.runtime._buckets import (
     BucketSpec,
     Dead,
     Fire,
-    Wait,
     quiescent_pick,
     rule_error,
 )
@@ -235,7 +234,8 @@ class CallCore:
         """Take one stimulus; answer what the shell must do (see ``_stimuli``)."""
         self.stimuli += 1
         if type(stimulus) is Returned and not self.crashed:
-            # ``_on_returned``, inlined: the stimulus of nearly every activation.
+            # A coroutine method returned (the stimulus of nearly every activation, handled
+            # inline): its frame (unless None) then its end, settled once.
             act, value, settle = stimulus
             story = self._story
             if story is not None:
@@ -315,18 +315,6 @@ class CallCore:
                 self._settle()
             return True
         return False
-
-    def _on_returned(self, ev: Returned) -> bool:
-        """A coroutine method returned: its frame (unless None) then its end, settled once."""
-        act = ev.act
-        story = self._story
-        if story is not None:  # ``_log``, inlined: once per activation
-            story.append((self.call_id, self.stimuli, "return", act.node, act.aid))
-        value = ev.value
-        if value is not None and not self.closing and act.state is RUNNING:
-            self._frame(act, value)
-        self._done(act, None, ev.settle)
-        return True
 
     def _on_ended(self, ev: Ended) -> bool:
         act = ev.act
@@ -554,20 +542,24 @@ class CallCore:
                 if bspec is not None:
                     self._arrive(bspec, src, f, value, table, seq)
                     continue
-                if direct and not self.closing:  # no latch, loop bound, order or throttle
+                if self.closing:
+                    # A closing call starts nothing. (Holding the ref for an activation that
+                    # is dropped at once would release it once per such route.)
+                    continue
+                if direct:  # no latch, loop bound, order or throttle
                     act = Activation(next(self._aids), dst, g, {f: value}, table, seq, RUNNING)
                     if is_ref:
                         act.refs = [value]
                         self._hold(value)
                     self.n_acts += 1
                     if self._counted:  # ``Liveness.inc``, inlined (once per hop)
+                        # Every entry of the table is live already: the producer's activation
+                        # (or the call's input hold) counts under the older ones, FRAME under
+                        # a stamped frame's own.
                         counts = self.live.counts
                         for e in table:
-                            d = counts.get(e)
-                            if d is None:
-                                counts[e] = {dst: 1}
-                            else:
-                                d[dst] = d.get(dst, 0) + 1
+                            d = counts[e]
+                            d[dst] = d.get(dst, 0) + 1
                     self.running.add(act)
                     self._out_run.append(act)
                     continue
@@ -993,9 +985,7 @@ class CallCore:
         if reason is None:
             if b.open:
                 return  # still waiting for a field
-            verdict = b.decide()
-            if type(verdict) is Wait:
-                return
+            verdict = b.decide()  # nothing open: Fire or Dead, never Wait
         else:
             verdict = Dead(reason)
         spec = b.spec
@@ -1053,12 +1043,12 @@ class CallCore:
         b.retired = True
         del self.buckets[bid]
         self._spent[bid] = how
-        ws = self._waiters.get(b.key)
-        if ws is not None and b in ws:
-            ws.discard(b)
-            self.live.unwatch(b.key)
-            if not ws:
-                del self._waiters[b.key]
+        # A gathering bucket is always watched under its key (``validate`` checks it).
+        ws = self._waiters[b.key]
+        ws.remove(b)
+        self.live.unwatch(b.key)
+        if not ws:
+            del self._waiters[b.key]
 
     def _drop_bucket(self, bid: tuple[str, int, Entry], b: Bucket) -> None:
         self._retire_bucket(bid, b, "dead")
@@ -1277,9 +1267,8 @@ class CallCore:
 
 _NONE: dict[str, int] = {}
 
-#: Stimulus type -> its handler.
+#: Stimulus type -> its handler (``Returned`` is handled inline by ``CallCore.handle``).
 _HANDLERS: dict[type, Callable[[CallCore, Any], bool]] = {
-    Returned: CallCore._on_returned,
     Produced: CallCore._on_produced,
     Ended: CallCore._on_ended,
     Settle: CallCore._on_settle,
@@ -1288,16 +1277,18 @@ _HANDLERS: dict[type, Callable[[CallCore, Any], bool]] = {
     Crash: CallCore._on_crash,
 }
 _IGNORE_ALL: dict[type, Callable[[CallCore, Any], bool]] = dict.fromkeys(
-    _HANDLERS, CallCore._ignore
+    (Returned, *_HANDLERS), CallCore._ignore
 )
 _new = tuple.__new__
 
 
 def _seq_in(table: Table, c: Compiled) -> Entry:
-    for e in reversed(table):
-        if e[0] in c.seq_nodes:
-            return e
-    return INPUT_ENTRY
+    """The nearest SeqId entry of ``table``. Every table starts with the call's own entry
+    (``INPUT_ENTRY``; "<input>" counts among ``seq_nodes``), so the search stops there."""
+    i = len(table) - 1
+    while table[i][0] not in c.seq_nodes:
+        i -= 1
+    return table[i]
 
 
 def _group_of(act: Activation) -> int:

@@ -1,0 +1,711 @@
+"""Deterministic paths of the call core the property machine reaches only by luck: data-plane
+refs held and released by every holder (direct activations, buckets, latches) when the call
+ends, cancels or errs; cancelling a call with work queued behind a session order, a
+concurrency limit or a latch; and ``validate()`` naming each kind of corrupted state."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any
+
+import pytest
+
+import omniflow as of
+from omniflow.data._handle import BlockHandle
+from omniflow.data._ref import DataRef
+from omniflow.runtime._compiled import compile_plan
+from omniflow.runtime._core import Activation, CallCore
+from omniflow.runtime._stimuli import (
+    SETTLE,
+    ActState,
+    Cancel,
+    Ended,
+    Instructions,
+    Produced,
+    Returned,
+    Start,
+    Stimulus,
+)
+
+from .test_core_props import COMPILED
+
+
+def _ref(n: int) -> DataRef:
+    return DataRef(BlockHandle("pool", n, 0, 8), "host", 1, "", ("src.run", "c", "f", str(n)))
+
+
+class _Shell:
+    """Feeds stimuli and keeps what the instructions said, like the async shell."""
+
+    def __init__(self, core: CallCore) -> None:
+        self.core = core
+        self.running: list[Activation] = []
+        self.released: list[DataRef] = []
+        self.emitted: list[Any] = []
+        self.cancelled: list[Activation] = []
+
+    def __call__(self, stimulus: Stimulus) -> Instructions:
+        ins = self.core.handle(stimulus)
+        self.running.extend(ins.run)
+        self.released.extend(ins.release)
+        self.emitted.extend(ins.emit)
+        self.cancelled.extend(ins.cancel)
+        if self.core.unsettled:
+            self(SETTLE)
+        self.running = [a for a in self.running if a.state is ActState.RUNNING]
+        return ins
+
+    def of(self, node: str) -> list[Activation]:
+        return [a for a in self.running if a.node == node]
+
+    def drain(self) -> None:
+        while self.running:
+            self(Ended(self.running[0]))
+        assert self.core.finished
+        self.core.validate()
+
+
+# ------------------------------------------------------------------ plans
+
+
+class _Echo(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["out"])
+    async def run(self, request: Any) -> Any:
+        return {"out": request}
+
+
+ECHO = compile_plan(
+    of.parse(
+        of.Graph(
+            "echo",
+            roles={"a": _Echo(), "b": _Echo()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+class _Gen(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["item", "unused"])
+    async def run(self, request: Any) -> Any:
+        yield {"item": request}
+
+
+class _Slow(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["done"], max_concurrency=1)
+    async def run(self, item: Any) -> Any:
+        return {"done": item}
+
+
+class _Ordered(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["seen"], lb="session")
+    async def run(self, item: Any) -> Any:
+        return {"seen": item}
+
+
+QUEUED = compile_plan(
+    of.parse(
+        of.Graph(
+            "queued",
+            roles={"gen": _Gen(), "slow": _Slow(), "ordered": _Ordered()},
+            inputs=[of.Placeholder("request")],
+            outputs=["done", "seen"],
+        )
+    )
+)
+
+
+# ------------------------------------------------------------------ data-plane refs
+
+
+def test_a_direct_activation_holds_its_ref_until_it_ends() -> None:
+    ref = _ref(1)
+    core = CallCore(ECHO, "c1")
+    sh = _Shell(core)
+    a, b = sh(Start({"request": ref})).run  # both consume the input: one hold each
+    assert a.refs == b.refs == [ref] and core.refcounts == {ref: 2}
+    core.validate()
+    ins = sh(Ended(a))
+    assert not ins.release and core.refcounts == {ref: 1}
+    ins = sh(Ended(b))
+    assert ins.release == (ref,) and ins.finished and core.refcounts == {}
+
+
+def test_refs_are_released_when_the_call_is_cancelled_or_a_node_errs() -> None:
+    ref = _ref(2)
+    core = CallCore(QUEUED, "c2")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 1})).run
+    # Two frames with refs: slow (max_concurrency=1) runs one and blocks the other; the
+    # session node orders its two activations.
+    sh(Produced(gen, {"item": ref}))
+    sh(Produced(gen, {"item": ref}))
+    assert len(sh.of("slow.run")) == 1 and len(core._blocked["slow.run"]) == 1
+    assert core.refcounts[ref] == 4
+    core.validate()
+    ins = sh(Cancel())
+    # Queued work is dropped at once; running work is cancelled and lets go when it ends.
+    assert {a.node for a in ins.cancel} == {"gen.run", "slow.run", "ordered.run"}
+    assert core.refcounts == {ref: 2} and not ins.release
+    core.validate()
+    for act in list(ins.cancel):
+        sh(Ended(act, RuntimeError("boom") if act.node == "slow.run" else None))
+    assert sh.released == [ref] and core.refcounts == {}
+    assert core.finished and core.status == "cancelled"
+
+
+def test_a_throttled_node_runs_its_blocked_activation_when_one_ends() -> None:
+    core = CallCore(QUEUED, "c3", shuffle=random.Random(0))
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 1})).run
+    sh(Produced(gen, {"item": 1}))
+    sh(Produced(gen, {"item": 2}))
+    (first,) = sh.of("slow.run")
+    ins = sh(Returned(first, {"done": 1}))
+    (second,) = [a for a in ins.run if a.node == "slow.run"]
+    assert second.kwargs == {"item": 2} and ins.emit[0][:2] == ("done", 1)
+    sh.drain()
+    assert core.status == "ok"
+
+
+def test_a_bucket_holds_its_frames_refs_and_lets_go_when_cancelled() -> None:
+    ref = _ref(3)
+    core = CallCore(COMPILED["mixed"], "c4")
+    sh = _Shell(core)
+    (split,) = sh(Start({"request": 1})).run
+    # tally collects b (its bucket gathers); pick runs on b at once.
+    sh(Produced(split, {"b": ref}))
+    assert [b.refs for b in core.buckets.values() if b.refs] == [[ref]]
+    assert [a.refs for a in sh.of("pick.run")] == [[ref]]
+    assert core.refcounts == {ref: 2}
+    core.validate()
+    ins = sh(Cancel())  # the bucket is dropped and lets go; pick still holds it
+    assert not ins.release and core.refcounts == {ref: 1}
+    sh.drain()
+    assert sh.released == [ref] and core.refcounts == {}
+    assert core.status == "cancelled"
+
+
+def test_a_latched_ref_is_held_once_per_pairing_and_by_the_latch_until_the_call_ends() -> None:
+    ref = _ref(4)
+    core = CallCore(COMPILED["latched"], "c5")
+    sh = _Shell(core)
+    (src, alt) = sorted(sh(Start({"request": 1})).run, key=lambda a: a.node)[::-1]
+    assert src.node == "src.run"
+    sh(Produced(src, {"tok": 1}))  # tts parks: voice has not come
+    assert core._n_parked == 1
+    core.validate()
+    sh(Produced(src, {"voice": ref, "tok": 2}))  # the latch takes it, both tts run
+    tts = sh.of("tts.run")
+    assert len(tts) == 2 and all(a.kwargs["voice"] == ref for a in tts)
+    assert core.refcounts == {ref: 3}  # the latch and two activations
+    core.validate()
+    sh(Produced(src, {"voice": "again", "tok": 3}))  # a later voice frame changes nothing
+    assert all(a.kwargs["voice"] == ref for a in sh.of("tts.run"))
+    sh(Ended(alt))
+    sh.drain()
+    assert sh.released == [ref] and core.refcounts == {}
+
+
+def test_cancel_drops_activations_parked_on_a_latch() -> None:
+    core = CallCore(COMPILED["latched"], "c6")
+    sh = _Shell(core)
+    src = next(a for a in sh(Start({"request": 1})).run if a.node == "src.run")
+    sh(Produced(src, {"tok": 1}))
+    assert core._n_parked == 1
+    sh(Cancel())
+    assert core._n_parked == 0 and not any(lt.parked for lt in core._latches.values())
+    core.validate()
+    sh.drain()
+    assert core.status == "cancelled"
+
+
+# ------------------------------------------------------------------ validate
+
+
+def _midway() -> tuple[CallCore, _Shell]:
+    core = CallCore(COMPILED["mixed"], "cv", story=deque())
+    sh = _Shell(core)
+    (split,) = sh(Start({"request": 1})).run
+    sh(Produced(split, {"a": 1, "b": 2}))
+    assert core.buckets and core.running
+    core.validate()
+    return core, sh
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda c: c._touched.append(next(iter(c.buckets.values()))), "left unsettled"),
+        (lambda c: setattr(c, "_n_parked", 1), "parked on latches, 1 counted"),
+        (lambda c: c._waiters.clear(), "gathers but nobody wakes it"),
+        (lambda c: c.refcounts.__setitem__(_ref(9), 1), "refcounts drifted"),
+        (lambda c: setattr(c, "n_acts", c.n_acts + 1), "activations are known"),
+        (lambda c: c._spent.update(dict.fromkeys(c.buckets, "dead")), "gathering and spent"),
+        (lambda c: setattr(c, "finished", True), "finished with work left"),
+        (lambda c: c.live.inc(((("x", 1, 0)),), "left.run"), "liveness drifted"),
+    ],
+)
+def test_validate_names_a_corrupted_state(corrupt: Any, message: str) -> None:
+    core, _sh = _midway()
+    corrupt(core)
+    with pytest.raises(AssertionError, match=message):
+        core.validate()
+
+
+def test_validate_names_liveness_counted_by_an_uncounted_call() -> None:
+    assert not ECHO.counted
+    core = CallCore(ECHO, "cu")
+    _Shell(core)(Start({"request": 1}))
+    core.validate()
+    core.live.counts[("x", 1, 0)] = {"a.run": 1}
+    with pytest.raises(AssertionError, match="uncounted call counted"):
+        core.validate()
+
+
+def test_validate_accepts_whatever_a_crash_left() -> None:
+    from omniflow.runtime._stimuli import Crash
+
+    core, sh = _midway()
+    sh(Crash(RuntimeError("bug")))
+    core.n_acts = 99  # anything goes after a crash
+    core.validate()
+    assert repr(next(iter(core.running))).startswith("<Activation ")
+
+
+# ------------------------------------------------------------------ more routing paths
+
+
+class _Head(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["mid", "unused"])
+    async def run(self, request: Any) -> Any:
+        return {"mid": request}
+
+
+class _Tail(of.Role):
+    @of.interface(inputs_or=[["mid"]], outputs=["out"])
+    async def run(self, mid: Any) -> Any:
+        return {"out": mid}
+
+
+CHAIN = compile_plan(
+    of.parse(
+        of.Graph(
+            "chain",
+            roles={"head": _Head(), "t1": _Tail(), "t2": _Tail()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_a_return_that_starts_work_and_releases_a_ref_answers_both() -> None:
+    """One stimulus whose answer runs two activations (shuffled under validate) and releases
+    the ref its returning activation held last; a field nobody consumes is dropped."""
+    ref = _ref(5)
+    core = CallCore(CHAIN, "c8", shuffle=random.Random(1))
+    sh = _Shell(core)
+    (head,) = sh(Start({"request": ref, "not_an_input": 1})).run
+    ins = sh(Returned(head, {"mid": 1, "unused": 2}))
+    assert sorted(a.node for a in ins.run) == ["t1.run", "t2.run"]
+    assert ins.release == (ref,) and not ins.finished
+    sh.drain()
+    assert core.status == "ok"
+
+
+class _Loop(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["again", "side"])
+    async def run(self, **kw: Any) -> Any:
+        return {"side": 1, "again": 1}
+
+
+class _Free(of.Role):
+    @of.interface(inputs_or=[["side"]], outputs=["out"])
+    async def run(self, side: Any) -> Any:
+        return {"out": side}
+
+
+class _Capped(of.Role):
+    @of.interface(inputs_or=[["side"]], outputs=["out"], max_concurrency=4)
+    async def run(self, side: Any) -> Any:
+        return {"out": side}
+
+
+LOOP = compile_plan(
+    of.parse(
+        of.Graph(
+            "loop",
+            roles={"loop": _Loop(), "free": _Free(), "capped": _Capped()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=1,
+        )
+    )
+)
+
+
+def test_a_loop_past_max_iterations_retires_the_work_its_frame_already_started() -> None:
+    """The frame that breaks max_iterations first started capped (throttled) and free: the
+    call is cancelled within that stimulus, so neither reaches the shell, and the throttle's
+    count goes back to zero."""
+    ref = _ref(6)
+    core = CallCore(LOOP, "c9")
+    sh = _Shell(core)
+    (loop,) = sh(Start({"request": 1})).run
+    ins = sh(Returned(loop, {"side": ref, "again": 1}))
+    assert not ins.run and ins.finished and ins.release == (ref,)
+    assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
+    assert core._running_per_node == {"capped.run": 0} and core.refcounts == {}
+    core.validate()
+    assert sh(Cancel()).finished  # a second cancel of a closed call changes nothing
+
+
+def test_settle_timeout_and_a_closing_call_refusing_frames() -> None:
+    """SETTLE on a settled call changes nothing; a timeout's own error is recorded first and
+    the call ends "error"; a frame of a method still running in a closing call is refused."""
+    from omniflow._exceptions import NodeError
+    from omniflow.runtime._stimuli import NOTHING, CancelKind
+
+    core = CallCore(QUEUED, "c10")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 1})).run
+    assert sh(SETTLE) is NOTHING
+    timeout = NodeError("<call>", "deadline passed", kind="error", call_id="c10")
+    ins = sh(Cancel(CancelKind.TIMEOUT, "deadline passed", timeout))
+    assert ins.cancel == (gen,) and core.errors == [timeout]
+    assert not sh(Produced(gen, {"item": 1})).accepted
+    assert not core._out_run and core.n_acts == 1  # nothing admitted after closing
+    sh.drain()
+    assert core.status == "error"
+
+
+def test_a_crashed_call_ignores_every_later_stimulus() -> None:
+    from omniflow.runtime._stimuli import Crash
+
+    core, sh = _midway()
+    running = list(core.running)
+    ins = sh(Crash(RuntimeError("bug")))
+    assert ins.finished and set(ins.cancel) == set(running)
+    for stimulus in (SETTLE, Returned(running[0], None), Ended(running[0]), Cancel()):
+        assert core.handle(stimulus).accepted is False
+    assert running[0].state is ActState.RUNNING  # nothing moved after the crash
+
+
+def test_frames_after_a_bucket_fired_are_errors_naming_the_rule() -> None:
+    """join takes exactly two y frames (a third breaks activate_by_count, though its bucket
+    already fired); pick's plain x meets two producers frame by frame (a second x breaks it)."""
+    core = CallCore(COMPILED["mixed"], "c11")
+    sh = _Shell(core)
+    (split,) = sh(Start({"request": 1})).run
+    sh(Produced(split, {"a": 1}))
+    (left,) = sh.of("left.run")
+    (right,) = sh.of("right.run")
+    sh(Produced(right, {"y": 2}))
+    sh(Produced(right, {"y": 3}))
+    assert [a.kwargs["y"] for a in sh.of("join.run")] == [[2, 3]]
+    assert [e.node for e in core.errors] == ["merge.run"]  # merge's y is plain
+    sh(Produced(right, {"y": 4}))
+    assert "more than activate_by_count=2" in str(core.errors[-1])
+    assert (core.errors[-1].node, core.errors[-1].field) == ("join.run", "y")
+    sh(Returned(left, {"x": 1}))
+    sh(Produced(right, {"x": 2}))
+    assert (core.errors[-1].node, core.errors[-1].field) == ("pick.run", "x")
+    core.validate()
+    sh.drain()
+    assert core.status == "error"
+
+
+def test_stream_order_keeps_items_of_one_index_and_refuses_a_settled_one() -> None:
+    from omniflow.runtime._ordering import StreamOrder
+
+    so = StreamOrder("gen.run", 1)
+    so.push(0, (1, "b"))
+    so.push(0, (0, "a"))  # same index: kept in push order, picked by key
+    so.push(1, (0, "c"))
+    assert so.pop_current(lambda item: item[0]) == (0, "a")
+    assert so.pop_current() == (1, "b") and so.pop_current() is None
+    so.advance()
+    with pytest.raises(AssertionError, match=r"index 0 arrived after 1 settled"):
+        so.push(0, (0, "late"))
+    assert so.take_current() == [(0, "c")]
+
+
+# ------------------------------------------------------------------ two latches
+
+
+class _Voice(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["style", "voice"])
+    async def run(self, request: Any) -> Any:
+        yield {"style": request}
+
+
+class _Toks(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["tok"])
+    async def run(self, request: Any) -> Any:
+        yield {"tok": request}
+
+
+class _Say(of.Role):
+    @of.interface(inputs_or=[["tok", "style", "voice"]], outputs=["said"], latch=("style", "voice"))
+    async def run(self, tok: Any, style: Any, voice: Any) -> Any:
+        return {"said": tok}
+
+
+LATCH2 = compile_plan(
+    of.parse(
+        of.Graph(
+            "latch2",
+            roles={"v": _Voice(), "t": _Toks(), "say": _Say()},
+            inputs=[of.Placeholder("request")],
+            outputs=["said"],
+        )
+    )
+)
+
+
+def _latch2(call: str) -> tuple[CallCore, _Shell, Activation, Activation]:
+    core = CallCore(LATCH2, call)
+    sh = _Shell(core)
+    sh(Start({"request": 1}))
+    (v,) = sh.of("v.run")
+    (t,) = sh.of("t.run")
+    return core, sh, v, t
+
+
+def test_an_activation_parked_on_its_second_latch_keeps_the_first_value() -> None:
+    ref = _ref(7)
+    core, sh, v, t = _latch2("c12")
+    first = LATCH2.latch_of[("say.run", 0)][0]
+    second = "voice" if first == "style" else "style"
+    sh(Produced(v, {first: "one"}))
+    sh(Produced(t, {"tok": ref}))  # pairs the first latch, parks on the second
+    assert core._n_parked == 1 and not sh.of("say.run")
+    core.validate()
+    sh(Produced(v, {second: ref}))
+    (say,) = sh.of("say.run")
+    assert say.kwargs == {"tok": ref, first: "one", second: ref}
+    assert say.refs == [ref, ref] and core.refcounts == {ref: 3}
+    core.validate()
+    sh.drain()
+    assert sh.released == [ref] and core.status == "ok"
+
+
+def test_a_latch_that_ended_empty_kills_parked_and_later_activations() -> None:
+    ref = _ref(8)
+    core, sh, v, t = _latch2("c13")
+    sh(Produced(t, {"tok": ref}))
+    assert core._n_parked == 1
+    sh(Ended(v))  # no latched frame ever: the parked activation is DEAD, with a warning
+    assert core._n_parked == 0 and len(core.warnings) == 1
+    assert core.refcounts == {} and sh.released == [ref]
+    sh(Produced(t, {"tok": 2}))  # a later one is DEAD at once
+    assert len(core.warnings) == 2 and not sh.of("say.run")
+    assert all(w["node"] == "say.run" for w in core.warnings)
+    core.validate()
+    sh.drain()
+    assert core.status == "ok"
+
+
+def test_one_activation_started_and_a_ref_released_in_one_answer() -> None:
+    """slow#1 held the ref last: its end releases it and starts the blocked slow#2 (a batch
+    of one is not shuffled); a stamped field nobody consumes is dropped; a NodeError a
+    method raises about itself is recorded as it is."""
+    from omniflow._exceptions import NodeError
+
+    ref = _ref(10)
+    core = CallCore(QUEUED, "c14", shuffle=random.Random(2))
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 1})).run
+    sh(Produced(gen, {"item": ref, "unused": 0}))
+    (ordered,) = sh.of("ordered.run")
+    sh(Ended(ordered))
+    sh(Produced(gen, {"item": 2}))
+    (slow,) = sh.of("slow.run")
+    assert core.refcounts == {ref: 1}
+    own = NodeError("slow.run", "model refused", kind="error", call_id="c14")
+    ins = sh(Ended(slow, own))
+    assert ins.release == (ref,) and [a.kwargs for a in ins.run] == [{"item": 2}]
+    assert core.errors == [own]
+    sh.drain()
+    assert core.status == "error"
+
+
+def test_fields_after_the_breaking_one_are_dropped_in_a_closing_call() -> None:
+    """A frame whose first field breaks max_iterations: the fields after it reach a closing
+    call, which starts nothing for them and holds nothing (their ref is never released,
+    let alone once per route)."""
+    ref = _ref(11)
+    core = CallCore(LOOP, "c15")
+    sh = _Shell(core)
+    (loop,) = sh(Start({"request": 1})).run
+    ins = sh(Returned(loop, {"again": 1, "side": ref}))
+    assert not ins.run and ins.finished and not ins.release
+    assert core.status == "error" and core.refcounts == {}
+    core.validate()
+
+
+# ------------------------------------------------------------------ session OR groups
+
+
+class _Two(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["p", "q"])
+    async def run(self, request: Any) -> Any:
+        yield {"q": request, "p": request}
+
+
+class _Either(of.Role):
+    @of.interface(inputs_or=[["p"], ["q"]], outputs=["got"], lb="session")
+    async def run(self, p: Any = None, q: Any = None) -> Any:
+        return {"got": (p, q)}
+
+
+EITHER = compile_plan(
+    of.parse(
+        of.Graph(
+            "either",
+            roles={"two": _Two(), "either": _Either()},
+            inputs=[of.Placeholder("request")],
+            outputs=["got"],
+        )
+    )
+)
+
+
+def test_a_session_node_runs_one_index_in_or_group_declaration_order() -> None:
+    """q's activation (group 1) arrives before p's (group 0) within one frame: the session
+    node still runs group 0 first, one at a time, then group 1, then the next index."""
+    core = CallCore(EITHER, "c16")
+    sh = _Shell(core)
+    (two,) = sh(Start({"request": 1})).run
+    sh(Produced(two, {"q": "q0", "p": "p0"}))
+    sh(Produced(two, {"q": "q1"}))
+    order = []
+    while sh.of("either.run"):
+        (act,) = sh.of("either.run")
+        order.append((act.group, act.kwargs))
+        core.validate()
+        sh(Returned(act, None))
+    assert order == [(0, {"p": "p0"}), (1, {"q": "q0"}), (1, {"q": "q1"})]
+    sh.drain()
+    assert core.status == "ok"
+
+
+class _Gather(of.Role):
+    @of.interface(inputs_or=[["tok", "style"]], outputs=["said"], collect=["tok"], latch=("style",))
+    async def run(self, tok: Any, style: Any) -> Any:
+        return {"said": tok}
+
+
+def test_bucket_specs_leave_latched_fields_to_the_latch() -> None:
+    """A collecting node with a latched field: its bucket gathers tok only; style is paired
+    with the activation after it fires."""
+    c = compile_plan(
+        of.parse(
+            of.Graph(
+                "gather",
+                roles={"v": _Voice(), "t": _Toks(), "say": _Gather()},
+                inputs=[of.Placeholder("request")],
+                outputs=["said"],
+            )
+        )
+    )
+    assert "say.run" in c.bucket_nodes and c.latch_of[("say.run", 0)] == ("style",)
+    ((dst, group, bspec, _direct),) = c.fanout["t.run"]["tok"][0]
+    assert (dst, group) == ("say.run", 0) and bspec is not None
+    assert [f.name for f in bspec.fields] == ["tok"]
+
+
+class _A(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["x"])
+    async def run(self, request: Any) -> Any:
+        return {"x": request}
+
+
+class _B(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["y"])
+    async def run(self, request: Any) -> Any:
+        return None
+
+
+class _Both(of.Role):
+    @of.interface(inputs_or=[["x", "y"]], outputs=["both"], collect=["x", "y"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"both": (x, y)}
+
+
+BOTH = compile_plan(
+    of.parse(
+        of.Graph(
+            "both",
+            roles={"a": _A(), "b": _B(), "both": _Both()},
+            inputs=[of.Placeholder("request")],
+            outputs=["both"],
+        )
+    )
+)
+
+
+def test_a_collect_bucket_dies_when_a_critical_field_ends_empty_and_warns() -> None:
+    """x arrived, y's only producer ended without a frame: the bucket is DEAD, the warning
+    names y, and x's frame (a ref) is let go; with only collected fields there is no input
+    rule left for a straggler to break."""
+    ref = _ref(12)
+    core = CallCore(BOTH, "c17")
+    sh = _Shell(core)
+    a, b = sorted(sh(Start({"request": 1})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": ref}))
+    ins = sh(Returned(b, None))
+    assert ins.finished and ins.release == (ref,)
+    assert [(w["node"], w["field"]) for w in core.warnings] == [("both.run", "y")]
+    assert not core._dead_seen and core.status == "ok"
+
+
+class _Feed(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["item", "other"])
+    async def run(self, request: Any) -> Any:
+        yield {"item": request}
+
+
+class _Styled(of.Role):
+    @of.interface(
+        inputs_or=[["item", "style"], ["other"]], outputs=["got"], lb="session", latch=("style",)
+    )
+    async def run(self, item: Any = None, style: Any = None, other: Any = None) -> Any:
+        return {"got": (item, other)}
+
+
+STYLED = compile_plan(
+    of.parse(
+        of.Graph(
+            "styled",
+            roles={"feed": _Feed(), "v": _Voice(), "styled": _Styled()},
+            inputs=[of.Placeholder("request")],
+            outputs=["got"],
+        )
+    )
+)
+
+
+def test_a_session_index_waits_for_its_activation_parked_on_a_latch() -> None:
+    """Index 0's activation waits for style (parked); index 1's is ready but must not run
+    before it: the session order holds until style comes and index 0 ran."""
+    core = CallCore(STYLED, "c18")
+    sh = _Shell(core)
+    sh(Start({"request": 1}))
+    (feed,) = sh.of("feed.run")
+    (v,) = sh.of("v.run")
+    sh(Produced(feed, {"item": "i0"}))
+    sh(Produced(feed, {"other": "o1"}))
+    assert not sh.of("styled.run") and core._n_parked == 1
+    core.validate()
+    sh(Produced(v, {"style": "s"}))
+    (first,) = sh.of("styled.run")
+    assert first.kwargs == {"item": "i0", "style": "s"}
+    sh(Returned(first, None))
+    (second,) = sh.of("styled.run")
+    assert second.kwargs == {"other": "o1"}
+    sh.drain()
+    assert core.status == "ok"
