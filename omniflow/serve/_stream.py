@@ -177,37 +177,34 @@ class CallResponse:
     async def frames(self) -> AsyncGenerator[tuple[Frame, bytes], None]:
         """The frames whose value has a JSON form, as ``(frame, encoded value)``; the others
         become entries of ``extra_errors``."""
-        http = self.state.http
         async with contextlib.aclosing(self.raw_frames()) as frames:
             async for frame in frames:
-                try:
-                    encoded = dumps(frame.value)
-                except ValueEncodingError as exc:
-                    http.encoding_errors += 1
-                    self.extra_errors.append(encoding_error(frame, exc))
-                    continue
-                yield frame, encoded
+                encoded = self._encoded(frame)
+                if encoded is not None:
+                    yield frame, encoded
+
+    def _encoded(self, frame: Frame) -> bytes | None:
+        """``frame``'s value as JSON, or None after recording why it has no JSON form."""
+        try:
+            return dumps(frame.value)
+        except ValueEncodingError as exc:
+            self.state.http.encoding_errors += 1
+            self.extra_errors.append(encoding_error(frame, exc))
+            return None
 
     async def batches(self) -> AsyncGenerator[list[tuple[Frame, bytes]], None]:
         """Like ``frames``, in batches: each frame the runtime delivers together with the
         frames already queued behind it (up to ``BATCH_MAX``). It never waits for more, so no
         frame is held back; under load (the reader behind the producers) one write carries
         several frames instead of one each. Order is the call's order."""
-        call, http = self.call, self.state.http
+        call = self.call
         async with contextlib.aclosing(_frames_of(call)) as frames:
             async for first in frames:
                 batch = [first]
                 while len(batch) < BATCH_MAX and queued(call):
                     batch.append(await anext(frames))  # there: returns without waiting
-                out: list[tuple[Frame, bytes]] = []
-                for frame in batch:
-                    try:
-                        encoded = dumps(frame.value)
-                    except ValueEncodingError as exc:
-                        http.encoding_errors += 1
-                        self.extra_errors.append(encoding_error(frame, exc))
-                        continue
-                    out.append((frame, encoded))
+                encoded = [(frame, self._encoded(frame)) for frame in batch]
+                out = [(frame, data) for frame, data in encoded if data is not None]
                 if out:
                     yield out
 
