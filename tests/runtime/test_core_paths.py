@@ -709,3 +709,77 @@ def test_a_session_index_waits_for_its_activation_parked_on_a_latch() -> None:
     assert second.kwargs == {"other": "o1"}
     sh.drain()
     assert core.status == "ok"
+
+
+# ------------------------------------------------------------------ a loop through a diamond root
+
+
+class _Root(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["side", "again"])
+    async def run(self, **kw: Any) -> Any:
+        yield {"side": 1}
+
+
+class _Left(of.Role):
+    @of.interface(inputs_or=[["side"]], outputs=["x"])
+    async def run(self, side: Any) -> Any:
+        return {"x": side}
+
+
+class _Right(of.Role):
+    @of.interface(inputs_or=[["side"]], outputs=["y"])
+    async def run(self, side: Any) -> Any:
+        return {"y": side}
+
+
+class _Meet(of.Role):
+    @of.interface(inputs_or=[["x", "y"]], outputs=["out"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"out": (x, y)}
+
+
+DIAMOND_LOOP = compile_plan(
+    of.parse(
+        of.Graph(
+            "diamond_loop",
+            roles={"root": _Root(), "left": _Left(), "right": _Right(), "meet": _Meet()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=3,
+        )
+    )
+)
+
+
+def test_a_loop_back_through_a_diamond_root_keeps_one_entry_and_pairs_per_pass() -> None:
+    """root forks side to left and right, which meet again; root also feeds itself. Its
+    second pass's frames carry one root entry (the new one), so meet pairs x and y of the
+    same pass and never a first-pass x with a second-pass y."""
+    assert "root.run" in DIAMOND_LOOP.stamping and "root.run" in DIAMOND_LOOP.cycle_nodes
+    core = CallCore(DIAMOND_LOOP, "c20")
+    sh = _Shell(core)
+    (root1,) = sh(Start({"request": 0})).run
+    sh(Produced(root1, {"side": "p1"}))
+    sh(Produced(root1, {"again": 1}))
+    sh(Ended(root1))
+    (root2,) = sh.of("root.run")
+    assert [e[0] for e in root2.table].count("root.run") == 1
+    sh(Produced(root2, {"side": "p2"}))
+    left1, left2 = sh.of("left.run")
+    right1, right2 = sh.of("right.run")
+    entries = [a.table[-1] for a in (left1, left2)]
+    assert [e[0] for e in left2.table].count("root.run") == 1  # the loop's entry replaced
+    assert entries[0] != entries[1]
+    sh(Returned(left1, {"x": "x1"}))
+    sh(Returned(right2, {"y": "y2"}))
+    assert not sh.of("meet.run")  # x of pass 1 and y of pass 2 never pair
+    sh(Returned(left2, {"x": "x2"}))
+    sh(Returned(right1, {"y": "y1"}))
+    assert sorted((a.kwargs["x"], a.kwargs["y"]) for a in sh.of("meet.run")) == [
+        ("x1", "y1"),
+        ("x2", "y2"),
+    ]
+    core.validate()
+    sh(Ended(root2))
+    sh.drain()
+    assert core.status == "ok"
