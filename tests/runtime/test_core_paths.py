@@ -783,3 +783,56 @@ def test_a_loop_back_through_a_diamond_root_keeps_one_entry_and_pairs_per_pass()
     sh(Ended(root2))
     sh.drain()
     assert core.status == "ok"
+
+
+# ------------------------------------------------------------------ a loop re-entering a collect
+
+
+class _Src(of.Role):
+    @of.interface(inputs_or=[["request"], ["w"]], outputs=["v"])
+    async def run(self, **kw: Any) -> Any:
+        yield {"v": 1}
+
+
+class _Coll(of.Role):
+    @of.interface(inputs_or=[["v"]], outputs=["w", "out"], collect=["v"])
+    async def run(self, v: Any) -> Any:
+        return {"w": v}
+
+
+COLLECT_LOOP = compile_plan(
+    of.parse(
+        of.Graph(
+            "collect_loop",
+            roles={"src": _Src(), "coll": _Coll()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=3,
+        )
+    )
+)
+
+
+def test_a_collect_frame_after_its_bucket_fired_through_a_loop_names_the_loop() -> None:
+    """coll collects every v of the call and feeds src again: src's second pass produces a v
+    for a bucket that already fired, an error that says a loop re-entered the stream (not
+    that two streams meet frame by frame) and names coll's field."""
+    core = CallCore(COLLECT_LOOP, "c21")
+    sh = _Shell(core)
+    (src,) = sh(Start({"request": 0})).run
+    sh(Produced(src, {"v": 1}))
+    sh(Produced(src, {"v": 2}))
+    sh(Ended(src))
+    (coll,) = sh.of("coll.run")
+    assert coll.kwargs == {"v": [1, 2]}
+    sh(Returned(coll, {"w": 5}))
+    (src2,) = sh.of("src.run")
+    assert not core.errors
+    sh(Produced(src2, {"v": 3}))
+    (err,) = core.errors
+    assert (err.node, err.field) == ("coll.run", "v")
+    assert "(collect) received a frame after its bucket already fired" in str(err)
+    assert "a loop came back" in str(err)
+    core.validate()
+    sh.drain()
+    assert core.status == "error"
