@@ -836,3 +836,50 @@ def test_a_collect_frame_after_its_bucket_fired_through_a_loop_names_the_loop() 
     core.validate()
     sh.drain()
     assert core.status == "error"
+
+
+# ------------------------------------------------------------------ a bucket firing while closing
+
+
+class _Again(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["again"])
+    async def run(self, **kw: Any) -> Any:
+        return {"again": 1}
+
+
+class _FirstAgain(of.Role):
+    @of.interface(inputs_or=[["again"]], outputs=["out"], activate_by_count={"again": 1})
+    async def run(self, again: Any) -> Any:
+        return {"out": again}
+
+
+CLOSING_FIRE = compile_plan(
+    of.parse(
+        of.Graph(
+            "closing_fire",
+            roles={"loop": _Again(), "zfirst": _FirstAgain()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=1,
+        )
+    )
+)
+
+
+def test_a_bucket_that_fires_in_a_closing_call_starts_nothing_and_lets_go_of_its_ref() -> None:
+    """loop's frame goes to loop (breaking max_iterations: the call closes) and then to
+    zfirst's count bucket, which fires on that one frame in the closing call: its activation
+    never runs, and the ref the bucket held is released, as is the refused loop's."""
+    routes = [dst for dst, *_ in CLOSING_FIRE.fanout["loop.run"]["again"][0]]
+    assert routes == ["loop.run", "zfirst.run"]  # the loop breaks before the bucket fires
+    ref = _ref(21)
+    core = CallCore(CLOSING_FIRE, "c22")
+    sh = _Shell(core)
+    (loop,) = sh(Start({"request": 0})).run
+    ins = sh(Returned(loop, {"again": ref}))
+    assert not ins.run and ins.finished
+    assert ins.release == (ref, ref)  # one hold each: the refused loop's, zfirst's bucket's
+    assert core.refcounts == {} and not core.buckets and core.n_acts == 0
+    assert core._spent == {("zfirst.run", 0, ("<input>", 0, 0)): "fired"}
+    assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
+    core.validate()
