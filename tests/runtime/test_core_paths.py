@@ -883,3 +883,61 @@ def test_a_bucket_that_fires_in_a_closing_call_starts_nothing_and_lets_go_of_its
     assert core._spent == {("zfirst.run", 0, ("<input>", 0, 0)): "fired"}
     assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
     core.validate()
+
+
+# ------------------------------------------------------------------ caller order at finish
+
+
+class _Tap(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["out"])
+    async def run(self, item: Any) -> Any:
+        return {"out": item}
+
+
+STREAM_OUT = compile_plan(
+    of.parse(
+        of.Graph(
+            "stream_out",
+            roles={"gen": _Gen(), "tap": _Tap()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def _out_of_order() -> tuple[CallCore, _Shell, Activation]:
+    """gen's index 1 reached the caller's output before index 0 (still running): held."""
+    core = CallCore(STREAM_OUT, "c23")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 0})).run
+    sh(Produced(gen, {"item": 0}))
+    sh(Produced(gen, {"item": 1}))
+    sh(Ended(gen))
+    tap0, tap1 = sh.of("tap.run")
+    sh(Returned(tap1, {"out": 1}))
+    assert not sh.emitted
+    (so,) = core._caller.values()
+    assert so.watching == 0 and list(so.pending) == [1]
+    core.validate()
+    return core, sh, tap0
+
+
+def test_caller_frames_still_held_when_a_cancel_ends_the_call_are_flushed() -> None:
+    """Index 0 ends without a frame in a batch the shell has not settled yet; a cancel then
+    ends the call before any settle could release index 1: the finish flushes it, so the
+    caller gets the frame that was produced instead of losing it."""
+    core, _sh, tap0 = _out_of_order()
+    assert core.handle(Returned(tap0, None, False)).emit == ()
+    assert core.unsettled and not core.finished
+    ins = core.handle(Cancel())
+    assert ins.finished and ins.emit == (("out", 1, "tap.run", 1),)
+    assert core.status == "cancelled" and not core.errors
+    core.validate()
+
+
+def test_validate_names_a_stream_order_nobody_wakes() -> None:
+    core, _sh, _tap0 = _out_of_order()
+    core._waiters.clear()
+    with pytest.raises(AssertionError, match=r"stream order watches \('gen.run', 1, 0\)"):
+        core.validate()
