@@ -933,6 +933,7 @@ def test_caller_frames_still_held_when_a_cancel_ends_the_call_are_flushed() -> N
     ins = core.handle(Cancel())
     assert ins.finished and ins.emit == (("out", 1, "tap.run", 1),)
     assert core.status == "cancelled" and not core.errors
+    assert not core._waiters  # the settle after the finish woke the order and unwatched it
     core.validate()
 
 
@@ -941,3 +942,55 @@ def test_validate_names_a_stream_order_nobody_wakes() -> None:
     core._waiters.clear()
     with pytest.raises(AssertionError, match=r"stream order watches \('gen.run', 1, 0\)"):
         core.validate()
+
+
+# ------------------------------------------------------------------ a touched bucket dropped
+
+
+class _X(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["x"])
+    async def run(self, request: Any) -> Any:
+        return {"x": request}
+
+
+class _YLoop(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["y", "again"])
+    async def run(self, **kw: Any) -> Any:
+        return {"y": 1, "again": 1}
+
+
+class _Pair(of.Role):
+    @of.interface(inputs_or=[["x", "y"]], outputs=["out"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"out": (x, y)}
+
+
+TOUCHED_DROP = compile_plan(
+    of.parse(
+        of.Graph(
+            "touched_drop",
+            roles={"a": _X(), "loop": _YLoop(), "pair": _Pair()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=1,
+        )
+    )
+)
+
+
+def test_a_bucket_completed_then_dropped_in_one_stimulus_never_fires() -> None:
+    """loop's frame completes pair's bucket (y after x: it waits for the settle), then its
+    next field breaks max_iterations and the cancel drops that bucket: the settle finds it
+    retired and pair never runs; both frames' refs are released once."""
+    x, y = _ref(31), _ref(32)
+    core = CallCore(TOUCHED_DROP, "c24")
+    sh = _Shell(core)
+    a, loop = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": x}))
+    assert list(core.buckets) == [("pair.run", 0, ("<input>", 0, 0))]
+    ins = sh(Returned(loop, {"y": y, "again": 1}))
+    assert not ins.run and ins.finished and sorted(ins.release, key=str) == [x, y]
+    assert core._spent == {("pair.run", 0, ("<input>", 0, 0)): "dead"}
+    assert core.refcounts == {} and not core._touched
+    assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
+    core.validate()
