@@ -994,3 +994,44 @@ def test_a_bucket_completed_then_dropped_in_one_stimulus_never_fires() -> None:
     assert core.refcounts == {} and not core._touched
     assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
     core.validate()
+
+
+# ------------------------------------------------------------------ a plain field after its fire
+
+
+class _Ys(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["y"])
+    async def run(self, request: Any) -> Any:
+        yield {"y": request}
+
+
+PLAIN_LATE = compile_plan(
+    of.parse(
+        of.Graph(
+            "plain_late",
+            roles={"a": _X(), "ys": _Ys(), "pair": _Pair()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_a_plain_frame_after_its_activation_fired_says_streams_meet_frame_by_frame() -> None:
+    """pair's x and y come from two nodes of the call's input: ys's first y fires pair, its
+    second finds the bucket spent, an error naming pair's y that suggests collect."""
+    core = CallCore(PLAIN_LATE, "c25")
+    sh = _Shell(core)
+    a, ys = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": 1}))
+    sh(Produced(ys, {"y": 2}))
+    (pair,) = sh.of("pair.run")
+    assert pair.kwargs == {"x": 1, "y": 2} and not core.errors
+    sh(Produced(ys, {"y": 3}))
+    (err,) = core.errors
+    assert (err.node, err.field) == ("pair.run", "y")
+    assert "after its activation already fired" in str(err) and "collect=['y']" in str(err)
+    assert not sh.of("pair.run")[1:]  # the late frame started nothing
+    core.validate()
+    sh.drain()
+    assert core.status == "error"
