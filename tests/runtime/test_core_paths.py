@@ -1035,3 +1035,38 @@ def test_a_plain_frame_after_its_activation_fired_says_streams_meet_frame_by_fra
     core.validate()
     sh.drain()
     assert core.status == "error"
+
+
+# ------------------------------------------------------------ a fired bucket parked on a latch
+
+
+GATHER = compile_plan(
+    of.parse(
+        of.Graph(
+            "gather_late_style",
+            roles={"v": _Voice(), "t": _Toks(), "say": _Gather()},
+            inputs=[of.Placeholder("request")],
+            outputs=["said"],
+        )
+    )
+)
+
+
+def test_a_collect_activation_waits_on_its_latch_and_runs_when_the_value_comes() -> None:
+    """say's bucket fires once t's stream ends; its activation parks until v's style comes,
+    then runs with every tok and the style, and the call ends ok with nothing left live."""
+    core = CallCore(GATHER, "c26")
+    sh = _Shell(core)
+    t, v = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    assert (t.node, v.node) == ("t.run", "v.run")
+    sh(Produced(t, {"tok": 1}))
+    sh(Produced(t, {"tok": 2}))
+    sh(Ended(t))
+    assert not sh.of("say.run") and core._n_parked == 1 and not core.buckets
+    core.validate()
+    sh(Produced(v, {"style": "calm"}))
+    (say,) = sh.of("say.run")
+    assert say.kwargs == {"tok": [1, 2], "style": "calm"} and core._n_parked == 0
+    core.validate()
+    sh.drain()
+    assert core.status == "ok" and not core.live.counts
