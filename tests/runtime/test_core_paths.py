@@ -1070,3 +1070,51 @@ def test_a_collect_activation_waits_on_its_latch_and_runs_when_the_value_comes()
     core.validate()
     sh.drain()
     assert core.status == "ok" and not core.live.counts
+
+
+# ------------------------------------------------------------------ one settle for a batch
+
+
+class _Y(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["y"])
+    async def run(self, request: Any) -> Any:
+        return {"y": request}
+
+
+class _Twice(of.Role):
+    @of.interface(inputs_or=[["request"], ["x", "y"]], outputs=["out"])
+    async def run(self, **kw: Any) -> Any:
+        return {"out": kw}
+
+
+BATCH = compile_plan(
+    of.parse(
+        of.Graph(
+            "batch",
+            roles={"a": _X(), "b": _Y(), "j": _Twice()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_ends_in_one_unsettled_batch_are_settled_together() -> None:
+    """b's y completes j's bucket and b's end, then j's first activation's end (leaving j
+    only its gathering bucket under the call's entry), arrive before the shell settles:
+    both drops are kept for that entry, and the one SETTLE fires j's second group."""
+    core = CallCore(BATCH, "c27")
+    sh = _Shell(core)
+    a, b, j = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    assert (a.node, b.node, j.node) == ("a.run", "b.run", "j.run")
+    sh(Returned(a, {"x": 1}))
+    assert len(core.buckets) == 1
+    assert core.handle(Returned(b, {"y": 2}, False)).run == ()
+    assert core.handle(Returned(j, None, False)).run == ()
+    assert sorted(core.live.dirty[("<input>", 0, 0)]) == ["b.run", "j.run"]
+    ins = sh(SETTLE)
+    ((act,),) = [ins.run]
+    assert (act.node, act.group, act.kwargs) == ("j.run", 1, {"x": 1, "y": 2})
+    core.validate()
+    sh.drain()
+    assert core.status == "ok" and not core.warnings
