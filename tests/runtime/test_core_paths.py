@@ -1118,3 +1118,46 @@ def test_ends_in_one_unsettled_batch_are_settled_together() -> None:
     core.validate()
     sh.drain()
     assert core.status == "ok" and not core.warnings
+
+
+class _Aside(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["note"])
+    async def run(self, item: Any) -> Any:
+        return {"note": item}
+
+
+STREAM_ASIDE = compile_plan(
+    of.parse(
+        of.Graph(
+            "stream_aside",
+            roles={"gen": _Gen(), "tap": _Tap(), "aside": _Aside()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_an_end_that_cannot_feed_the_output_leaves_its_held_index_waiting() -> None:
+    """out of gen's index 1 waits for index 0; aside (which never feeds out) ending under
+    index 0 wakes the order, which keeps waiting for tap; tap's frame then releases both in
+    index order."""
+    assert "aside.run" not in STREAM_ASIDE.seq_out_feeders["out"]
+    core = CallCore(STREAM_ASIDE, "c28")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 0})).run
+    sh(Produced(gen, {"item": 0}))
+    sh(Produced(gen, {"item": 1}))
+    sh(Ended(gen))
+    aside0, _aside1 = sh.of("aside.run")
+    tap0, tap1 = sh.of("tap.run")
+    sh(Returned(tap1, {"out": 1}))
+    sh(Returned(aside0, {"note": 0}))
+    assert not sh.emitted
+    (so,) = core._caller.values()
+    assert so.watching == 0
+    core.validate()
+    sh(Returned(tap0, {"out": 0}))
+    assert [e[1] for e in sh.emitted] == [0, 1]
+    sh.drain()
+    assert core.status == "ok"
