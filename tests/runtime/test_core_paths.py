@@ -1161,3 +1161,54 @@ def test_an_end_that_cannot_feed_the_output_leaves_its_held_index_waiting() -> N
     assert [e[1] for e in sh.emitted] == [0, 1]
     sh.drain()
     assert core.status == "ok"
+
+
+class _Z(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["z"])
+    async def run(self, request: Any) -> Any:
+        return {"z": request}
+
+
+class _W(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["w"])
+    async def run(self, request: Any) -> Any:
+        return {"w": request}
+
+
+class _Thrice(of.Role):
+    @of.interface(inputs_or=[["x", "y"], ["x", "z"], ["x", "w"]], outputs=["out"])
+    async def run(self, **kw: Any) -> Any:
+        return {"out": kw}
+
+
+THRICE = compile_plan(
+    of.parse(
+        of.Graph(
+            "thrice",
+            roles={"a": _X(), "b": _Y(), "c": _Z(), "d": _W(), "j": _Thrice()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_two_buckets_dying_in_one_settle_leave_the_third_gathering() -> None:
+    """b and c end without a frame in one unsettled batch: the settle finds two of j's
+    buckets dead (each warned), the third still gathers for d's w and fires on it."""
+    core = CallCore(THRICE, "c29")
+    sh = _Shell(core)
+    a, b, c, d = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": 1}))
+    assert len(core.buckets) == 3
+    core.handle(Returned(b, None, False))
+    core.handle(Returned(c, None, False))
+    assert sorted(core.live.dirty[("<input>", 0, 0)]) == ["b.run", "c.run"]
+    assert not sh(SETTLE).run
+    assert [k[1] for k in core.buckets] == [2] and len(core.warnings) == 2
+    assert all("j.run" in str(w) for w in core.warnings)
+    core.validate()
+    ((act,),) = [sh(Returned(d, {"w": 4})).run]
+    assert (act.node, act.group, act.kwargs) == ("j.run", 2, {"x": 1, "w": 4})
+    sh.drain()
+    assert core.status == "ok"
