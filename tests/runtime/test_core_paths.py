@@ -1212,3 +1212,61 @@ def test_two_buckets_dying_in_one_settle_leave_the_third_gathering() -> None:
     assert (act.node, act.group, act.kwargs) == ("j.run", 2, {"x": 1, "w": 4})
     sh.drain()
     assert core.status == "ok"
+
+
+# ------------------------------------------------------------------ a bucket keeping shared entries
+
+
+class _Item(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["item", "sout"])
+    async def run(self, request: Any) -> Any:
+        yield {"item": request}
+
+
+class _ItemX(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["x"])
+    async def run(self, item: Any) -> Any:
+        return {"x": item}
+
+
+class _EitherY(of.Role):
+    @of.interface(inputs_or=[["request"], ["item"]], outputs=["y", "rout"])
+    async def run(self, **kw: Any) -> Any:
+        yield {"y": 1}
+
+
+SHARED = compile_plan(
+    of.parse(
+        of.Graph(
+            "shared",
+            roles={"s": _Item(), "p": _ItemX(), "r": _EitherY(), "j": _Pair()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out", "sout", "rout"],
+        )
+    )
+)
+
+
+def test_a_bucket_keeps_the_entries_a_later_frame_still_carries() -> None:
+    """j's bucket is keyed by the call's entry but its first frame (x) descends from s's
+    frame 0; r's y from that same s frame carries s's entry too (and its own): the bucket
+    keeps s's entry, and j's activation descends from s's frame 0."""
+    assert {"s.run", "r.run"} <= SHARED.stamping
+    core = CallCore(SHARED, "c30")
+    sh = _Shell(core)
+    s, _r = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node, reverse=True)
+    assert s.node == "s.run"
+    sh(Produced(s, {"item": 7}))
+    (p,) = sh.of("p.run")
+    (r_item,) = [a for a in sh.of("r.run") if a.group == 1]
+    s0 = p.table[-1]
+    assert s0[0] == "s.run" and r_item.table == p.table
+    sh(Returned(p, {"x": 7}))
+    ((bid, b),) = core.buckets.items()
+    assert bid[2] == ("<input>", 0, 0) and b.table == p.table
+    sh(Produced(r_item, {"y": 2}))
+    (j,) = sh.of("j.run")
+    assert j.kwargs == {"x": 7, "y": 2} and j.table == (("<input>", 0, 0), s0)
+    core.validate()
+    sh.drain()
+    assert core.status == "ok" and not core.errors
