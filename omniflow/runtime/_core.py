@@ -902,14 +902,13 @@ class CallCore:
             return
         e = (so.node, so.sid, so.watching)
         so.watching = -1
-        ws = self._waiters.get(e)
-        if ws is not None:
-            for w in list(ws):
-                if isinstance(w, tuple) and w[0] is so:
-                    ws.discard(w)
-                    self.live.unwatch(e)
-            if not ws:
-                del self._waiters[e]
+        ws = self._waiters[e]  # registered by _watch_order until now (validate checks it)
+        for w in list(ws):
+            if isinstance(w, tuple) and w[0] is so:
+                ws.discard(w)
+                self.live.unwatch(e)
+        if not ws:
+            del self._waiters[e]
 
     # ------------------------------------------------------------------ settling
 
@@ -1238,6 +1237,14 @@ class CallCore:
             work.append((b.table, node))
             if b not in self._waiters.get(b.key, ()):
                 raise AssertionError(f"bucket {node}/{b.key} gathers but nobody wakes it")
+        orders = [*self._caller.values()]
+        orders.extend(so for sq in self._session.values() for so in sq.streams.values())
+        for so in orders:
+            e = (so.node, so.sid, so.watching)
+            if so.watching >= 0 and not any(
+                type(w) is tuple and w[0] is so for w in self._waiters.get(e, ())
+            ):
+                raise AssertionError(f"stream order watches {e} but nobody wakes it")
         if self._counted:
             self.live.validate(work)
         elif self.live.counts or self.live.dirty:

@@ -709,3 +709,564 @@ def test_a_session_index_waits_for_its_activation_parked_on_a_latch() -> None:
     assert second.kwargs == {"other": "o1"}
     sh.drain()
     assert core.status == "ok"
+
+
+# ------------------------------------------------------------------ a loop through a diamond root
+
+
+class _Root(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["side", "again"])
+    async def run(self, **kw: Any) -> Any:
+        yield {"side": 1}
+
+
+class _Left(of.Role):
+    @of.interface(inputs_or=[["side"]], outputs=["x"])
+    async def run(self, side: Any) -> Any:
+        return {"x": side}
+
+
+class _Right(of.Role):
+    @of.interface(inputs_or=[["side"]], outputs=["y"])
+    async def run(self, side: Any) -> Any:
+        return {"y": side}
+
+
+class _Meet(of.Role):
+    @of.interface(inputs_or=[["x", "y"]], outputs=["out"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"out": (x, y)}
+
+
+DIAMOND_LOOP = compile_plan(
+    of.parse(
+        of.Graph(
+            "diamond_loop",
+            roles={"root": _Root(), "left": _Left(), "right": _Right(), "meet": _Meet()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=3,
+        )
+    )
+)
+
+
+def test_a_loop_back_through_a_diamond_root_keeps_one_entry_and_pairs_per_pass() -> None:
+    """root forks side to left and right, which meet again; root also feeds itself. Its
+    second pass's frames carry one root entry (the new one), so meet pairs x and y of the
+    same pass and never a first-pass x with a second-pass y."""
+    assert "root.run" in DIAMOND_LOOP.stamping and "root.run" in DIAMOND_LOOP.cycle_nodes
+    core = CallCore(DIAMOND_LOOP, "c20")
+    sh = _Shell(core)
+    (root1,) = sh(Start({"request": 0})).run
+    sh(Produced(root1, {"side": "p1"}))
+    sh(Produced(root1, {"again": 1}))
+    sh(Ended(root1))
+    (root2,) = sh.of("root.run")
+    assert [e[0] for e in root2.table].count("root.run") == 1
+    sh(Produced(root2, {"side": "p2"}))
+    left1, left2 = sh.of("left.run")
+    right1, right2 = sh.of("right.run")
+    entries = [a.table[-1] for a in (left1, left2)]
+    assert [e[0] for e in left2.table].count("root.run") == 1  # the loop's entry replaced
+    assert entries[0] != entries[1]
+    sh(Returned(left1, {"x": "x1"}))
+    sh(Returned(right2, {"y": "y2"}))
+    assert not sh.of("meet.run")  # x of pass 1 and y of pass 2 never pair
+    sh(Returned(left2, {"x": "x2"}))
+    sh(Returned(right1, {"y": "y1"}))
+    assert sorted((a.kwargs["x"], a.kwargs["y"]) for a in sh.of("meet.run")) == [
+        ("x1", "y1"),
+        ("x2", "y2"),
+    ]
+    core.validate()
+    sh(Ended(root2))
+    sh.drain()
+    assert core.status == "ok"
+
+
+# ------------------------------------------------------------------ a loop re-entering a collect
+
+
+class _Src(of.Role):
+    @of.interface(inputs_or=[["request"], ["w"]], outputs=["v"])
+    async def run(self, **kw: Any) -> Any:
+        yield {"v": 1}
+
+
+class _Coll(of.Role):
+    @of.interface(inputs_or=[["v"]], outputs=["w", "out"], collect=["v"])
+    async def run(self, v: Any) -> Any:
+        return {"w": v}
+
+
+COLLECT_LOOP = compile_plan(
+    of.parse(
+        of.Graph(
+            "collect_loop",
+            roles={"src": _Src(), "coll": _Coll()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=3,
+        )
+    )
+)
+
+
+def test_a_collect_frame_after_its_bucket_fired_through_a_loop_names_the_loop() -> None:
+    """coll collects every v of the call and feeds src again: src's second pass produces a v
+    for a bucket that already fired, an error that says a loop re-entered the stream (not
+    that two streams meet frame by frame) and names coll's field."""
+    core = CallCore(COLLECT_LOOP, "c21")
+    sh = _Shell(core)
+    (src,) = sh(Start({"request": 0})).run
+    sh(Produced(src, {"v": 1}))
+    sh(Produced(src, {"v": 2}))
+    sh(Ended(src))
+    (coll,) = sh.of("coll.run")
+    assert coll.kwargs == {"v": [1, 2]}
+    sh(Returned(coll, {"w": 5}))
+    (src2,) = sh.of("src.run")
+    assert not core.errors
+    sh(Produced(src2, {"v": 3}))
+    (err,) = core.errors
+    assert (err.node, err.field) == ("coll.run", "v")
+    assert "(collect) received a frame after its bucket already fired" in str(err)
+    assert "a loop came back" in str(err)
+    core.validate()
+    sh.drain()
+    assert core.status == "error"
+
+
+# ------------------------------------------------------------------ a bucket firing while closing
+
+
+class _Again(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["again"])
+    async def run(self, **kw: Any) -> Any:
+        return {"again": 1}
+
+
+class _FirstAgain(of.Role):
+    @of.interface(inputs_or=[["again"]], outputs=["out"], activate_by_count={"again": 1})
+    async def run(self, again: Any) -> Any:
+        return {"out": again}
+
+
+CLOSING_FIRE = compile_plan(
+    of.parse(
+        of.Graph(
+            "closing_fire",
+            roles={"loop": _Again(), "zfirst": _FirstAgain()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=1,
+        )
+    )
+)
+
+
+def test_a_bucket_that_fires_in_a_closing_call_starts_nothing_and_lets_go_of_its_ref() -> None:
+    """loop's frame goes to loop (breaking max_iterations: the call closes) and then to
+    zfirst's count bucket, which fires on that one frame in the closing call: its activation
+    never runs, and the ref the bucket held is released, as is the refused loop's."""
+    routes = [dst for dst, *_ in CLOSING_FIRE.fanout["loop.run"]["again"][0]]
+    assert routes == ["loop.run", "zfirst.run"]  # the loop breaks before the bucket fires
+    ref = _ref(21)
+    core = CallCore(CLOSING_FIRE, "c22")
+    sh = _Shell(core)
+    (loop,) = sh(Start({"request": 0})).run
+    ins = sh(Returned(loop, {"again": ref}))
+    assert not ins.run and ins.finished
+    assert ins.release == (ref, ref)  # one hold each: the refused loop's, zfirst's bucket's
+    assert core.refcounts == {} and not core.buckets and core.n_acts == 0
+    assert core._spent == {("zfirst.run", 0, ("<input>", 0, 0)): "fired"}
+    assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
+    core.validate()
+
+
+# ------------------------------------------------------------------ caller order at finish
+
+
+class _Tap(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["out"])
+    async def run(self, item: Any) -> Any:
+        return {"out": item}
+
+
+STREAM_OUT = compile_plan(
+    of.parse(
+        of.Graph(
+            "stream_out",
+            roles={"gen": _Gen(), "tap": _Tap()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def _out_of_order() -> tuple[CallCore, _Shell, Activation]:
+    """gen's index 1 reached the caller's output before index 0 (still running): held."""
+    core = CallCore(STREAM_OUT, "c23")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 0})).run
+    sh(Produced(gen, {"item": 0}))
+    sh(Produced(gen, {"item": 1}))
+    sh(Ended(gen))
+    tap0, tap1 = sh.of("tap.run")
+    sh(Returned(tap1, {"out": 1}))
+    assert not sh.emitted
+    (so,) = core._caller.values()
+    assert so.watching == 0 and list(so.pending) == [1]
+    core.validate()
+    return core, sh, tap0
+
+
+def test_caller_frames_still_held_when_a_cancel_ends_the_call_are_flushed() -> None:
+    """Index 0 ends without a frame in a batch the shell has not settled yet; a cancel then
+    ends the call before any settle could release index 1: the finish flushes it, so the
+    caller gets the frame that was produced instead of losing it."""
+    core, _sh, tap0 = _out_of_order()
+    assert core.handle(Returned(tap0, None, False)).emit == ()
+    assert core.unsettled and not core.finished
+    ins = core.handle(Cancel())
+    assert ins.finished and ins.emit == (("out", 1, "tap.run", 1),)
+    assert core.status == "cancelled" and not core.errors
+    assert not core._waiters  # the settle after the finish woke the order and unwatched it
+    core.validate()
+
+
+def test_validate_names_a_stream_order_nobody_wakes() -> None:
+    core, _sh, _tap0 = _out_of_order()
+    core._waiters.clear()
+    with pytest.raises(AssertionError, match=r"stream order watches \('gen.run', 1, 0\)"):
+        core.validate()
+
+
+# ------------------------------------------------------------------ a touched bucket dropped
+
+
+class _X(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["x"])
+    async def run(self, request: Any) -> Any:
+        return {"x": request}
+
+
+class _YLoop(of.Role):
+    @of.interface(inputs_or=[["request"], ["again"]], outputs=["y", "again"])
+    async def run(self, **kw: Any) -> Any:
+        return {"y": 1, "again": 1}
+
+
+class _Pair(of.Role):
+    @of.interface(inputs_or=[["x", "y"]], outputs=["out"])
+    async def run(self, x: Any, y: Any) -> Any:
+        return {"out": (x, y)}
+
+
+TOUCHED_DROP = compile_plan(
+    of.parse(
+        of.Graph(
+            "touched_drop",
+            roles={"a": _X(), "loop": _YLoop(), "pair": _Pair()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+            max_iterations=1,
+        )
+    )
+)
+
+
+def test_a_bucket_completed_then_dropped_in_one_stimulus_never_fires() -> None:
+    """loop's frame completes pair's bucket (y after x: it waits for the settle), then its
+    next field breaks max_iterations and the cancel drops that bucket: the settle finds it
+    retired and pair never runs; both frames' refs are released once."""
+    x, y = _ref(31), _ref(32)
+    core = CallCore(TOUCHED_DROP, "c24")
+    sh = _Shell(core)
+    a, loop = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": x}))
+    assert list(core.buckets) == [("pair.run", 0, ("<input>", 0, 0))]
+    ins = sh(Returned(loop, {"y": y, "again": 1}))
+    assert not ins.run and ins.finished and sorted(ins.release, key=str) == [x, y]
+    assert core._spent == {("pair.run", 0, ("<input>", 0, 0)): "dead"}
+    assert core.refcounts == {} and not core._touched
+    assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
+    core.validate()
+
+
+# ------------------------------------------------------------------ a plain field after its fire
+
+
+class _Ys(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["y"])
+    async def run(self, request: Any) -> Any:
+        yield {"y": request}
+
+
+PLAIN_LATE = compile_plan(
+    of.parse(
+        of.Graph(
+            "plain_late",
+            roles={"a": _X(), "ys": _Ys(), "pair": _Pair()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_a_plain_frame_after_its_activation_fired_says_streams_meet_frame_by_frame() -> None:
+    """pair's x and y come from two nodes of the call's input: ys's first y fires pair, its
+    second finds the bucket spent, an error naming pair's y that suggests collect."""
+    core = CallCore(PLAIN_LATE, "c25")
+    sh = _Shell(core)
+    a, ys = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": 1}))
+    sh(Produced(ys, {"y": 2}))
+    (pair,) = sh.of("pair.run")
+    assert pair.kwargs == {"x": 1, "y": 2} and not core.errors
+    sh(Produced(ys, {"y": 3}))
+    (err,) = core.errors
+    assert (err.node, err.field) == ("pair.run", "y")
+    assert "after its activation already fired" in str(err) and "collect=['y']" in str(err)
+    assert not sh.of("pair.run")[1:]  # the late frame started nothing
+    core.validate()
+    sh.drain()
+    assert core.status == "error"
+
+
+# ------------------------------------------------------------ a fired bucket parked on a latch
+
+
+GATHER = compile_plan(
+    of.parse(
+        of.Graph(
+            "gather_late_style",
+            roles={"v": _Voice(), "t": _Toks(), "say": _Gather()},
+            inputs=[of.Placeholder("request")],
+            outputs=["said"],
+        )
+    )
+)
+
+
+def test_a_collect_activation_waits_on_its_latch_and_runs_when_the_value_comes() -> None:
+    """say's bucket fires once t's stream ends; its activation parks until v's style comes,
+    then runs with every tok and the style, and the call ends ok with nothing left live."""
+    core = CallCore(GATHER, "c26")
+    sh = _Shell(core)
+    t, v = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    assert (t.node, v.node) == ("t.run", "v.run")
+    sh(Produced(t, {"tok": 1}))
+    sh(Produced(t, {"tok": 2}))
+    sh(Ended(t))
+    assert not sh.of("say.run") and core._n_parked == 1 and not core.buckets
+    core.validate()
+    sh(Produced(v, {"style": "calm"}))
+    (say,) = sh.of("say.run")
+    assert say.kwargs == {"tok": [1, 2], "style": "calm"} and core._n_parked == 0
+    core.validate()
+    sh.drain()
+    assert core.status == "ok" and not core.live.counts
+
+
+# ------------------------------------------------------------------ one settle for a batch
+
+
+class _Y(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["y"])
+    async def run(self, request: Any) -> Any:
+        return {"y": request}
+
+
+class _Twice(of.Role):
+    @of.interface(inputs_or=[["request"], ["x", "y"]], outputs=["out"])
+    async def run(self, **kw: Any) -> Any:
+        return {"out": kw}
+
+
+BATCH = compile_plan(
+    of.parse(
+        of.Graph(
+            "batch",
+            roles={"a": _X(), "b": _Y(), "j": _Twice()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_ends_in_one_unsettled_batch_are_settled_together() -> None:
+    """b's y completes j's bucket and b's end, then j's first activation's end (leaving j
+    only its gathering bucket under the call's entry), arrive before the shell settles:
+    both drops are kept for that entry, and the one SETTLE fires j's second group."""
+    core = CallCore(BATCH, "c27")
+    sh = _Shell(core)
+    a, b, j = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    assert (a.node, b.node, j.node) == ("a.run", "b.run", "j.run")
+    sh(Returned(a, {"x": 1}))
+    assert len(core.buckets) == 1
+    assert core.handle(Returned(b, {"y": 2}, False)).run == ()
+    assert core.handle(Returned(j, None, False)).run == ()
+    assert sorted(core.live.dirty[("<input>", 0, 0)]) == ["b.run", "j.run"]
+    ins = sh(SETTLE)
+    ((act,),) = [ins.run]
+    assert (act.node, act.group, act.kwargs) == ("j.run", 1, {"x": 1, "y": 2})
+    core.validate()
+    sh.drain()
+    assert core.status == "ok" and not core.warnings
+
+
+class _Aside(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["note"])
+    async def run(self, item: Any) -> Any:
+        return {"note": item}
+
+
+STREAM_ASIDE = compile_plan(
+    of.parse(
+        of.Graph(
+            "stream_aside",
+            roles={"gen": _Gen(), "tap": _Tap(), "aside": _Aside()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_an_end_that_cannot_feed_the_output_leaves_its_held_index_waiting() -> None:
+    """out of gen's index 1 waits for index 0; aside (which never feeds out) ending under
+    index 0 wakes the order, which keeps waiting for tap; tap's frame then releases both in
+    index order."""
+    assert "aside.run" not in STREAM_ASIDE.seq_out_feeders["out"]
+    core = CallCore(STREAM_ASIDE, "c28")
+    sh = _Shell(core)
+    (gen,) = sh(Start({"request": 0})).run
+    sh(Produced(gen, {"item": 0}))
+    sh(Produced(gen, {"item": 1}))
+    sh(Ended(gen))
+    aside0, _aside1 = sh.of("aside.run")
+    tap0, tap1 = sh.of("tap.run")
+    sh(Returned(tap1, {"out": 1}))
+    sh(Returned(aside0, {"note": 0}))
+    assert not sh.emitted
+    (so,) = core._caller.values()
+    assert so.watching == 0
+    core.validate()
+    sh(Returned(tap0, {"out": 0}))
+    assert [e[1] for e in sh.emitted] == [0, 1]
+    sh.drain()
+    assert core.status == "ok"
+
+
+class _Z(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["z"])
+    async def run(self, request: Any) -> Any:
+        return {"z": request}
+
+
+class _W(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["w"])
+    async def run(self, request: Any) -> Any:
+        return {"w": request}
+
+
+class _Thrice(of.Role):
+    @of.interface(inputs_or=[["x", "y"], ["x", "z"], ["x", "w"]], outputs=["out"])
+    async def run(self, **kw: Any) -> Any:
+        return {"out": kw}
+
+
+THRICE = compile_plan(
+    of.parse(
+        of.Graph(
+            "thrice",
+            roles={"a": _X(), "b": _Y(), "c": _Z(), "d": _W(), "j": _Thrice()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out"],
+        )
+    )
+)
+
+
+def test_two_buckets_dying_in_one_settle_leave_the_third_gathering() -> None:
+    """b and c end without a frame in one unsettled batch: the settle finds two of j's
+    buckets dead (each warned), the third still gathers for d's w and fires on it."""
+    core = CallCore(THRICE, "c29")
+    sh = _Shell(core)
+    a, b, c, d = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node)
+    sh(Returned(a, {"x": 1}))
+    assert len(core.buckets) == 3
+    core.handle(Returned(b, None, False))
+    core.handle(Returned(c, None, False))
+    assert sorted(core.live.dirty[("<input>", 0, 0)]) == ["b.run", "c.run"]
+    assert not sh(SETTLE).run
+    assert [k[1] for k in core.buckets] == [2] and len(core.warnings) == 2
+    assert all("j.run" in str(w) for w in core.warnings)
+    core.validate()
+    ((act,),) = [sh(Returned(d, {"w": 4})).run]
+    assert (act.node, act.group, act.kwargs) == ("j.run", 2, {"x": 1, "w": 4})
+    sh.drain()
+    assert core.status == "ok"
+
+
+# ------------------------------------------------------------------ a bucket keeping shared entries
+
+
+class _Item(of.Role):
+    @of.interface(inputs_or=[["request"]], outputs=["item", "sout"])
+    async def run(self, request: Any) -> Any:
+        yield {"item": request}
+
+
+class _ItemX(of.Role):
+    @of.interface(inputs_or=[["item"]], outputs=["x"])
+    async def run(self, item: Any) -> Any:
+        return {"x": item}
+
+
+class _EitherY(of.Role):
+    @of.interface(inputs_or=[["request"], ["item"]], outputs=["y", "rout"])
+    async def run(self, **kw: Any) -> Any:
+        yield {"y": 1}
+
+
+SHARED = compile_plan(
+    of.parse(
+        of.Graph(
+            "shared",
+            roles={"s": _Item(), "p": _ItemX(), "r": _EitherY(), "j": _Pair()},
+            inputs=[of.Placeholder("request")],
+            outputs=["out", "sout", "rout"],
+        )
+    )
+)
+
+
+def test_a_bucket_keeps_the_entries_a_later_frame_still_carries() -> None:
+    """j's bucket is keyed by the call's entry but its first frame (x) descends from s's
+    frame 0; r's y from that same s frame carries s's entry too (and its own): the bucket
+    keeps s's entry, and j's activation descends from s's frame 0."""
+    assert {"s.run", "r.run"} <= SHARED.stamping
+    core = CallCore(SHARED, "c30")
+    sh = _Shell(core)
+    s, _r = sorted(sh(Start({"request": 0})).run, key=lambda act: act.node, reverse=True)
+    assert s.node == "s.run"
+    sh(Produced(s, {"item": 7}))
+    (p,) = sh.of("p.run")
+    (r_item,) = [a for a in sh.of("r.run") if a.group == 1]
+    s0 = p.table[-1]
+    assert s0[0] == "s.run" and r_item.table == p.table
+    sh(Returned(p, {"x": 7}))
+    ((bid, b),) = core.buckets.items()
+    assert bid[2] == ("<input>", 0, 0) and b.table == p.table
+    sh(Produced(r_item, {"y": 2}))
+    (j,) = sh.of("j.run")
+    assert j.kwargs == {"x": 7, "y": 2} and j.table == (("<input>", 0, 0), s0)
+    core.validate()
+    sh.drain()
+    assert core.status == "ok" and not core.errors
