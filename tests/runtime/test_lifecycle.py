@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,8 @@ import pytest
 import omniflow as of
 
 from . import life_graphs as lg
-from .test_placement import ZERO, build
+from . import test_placement
+from .test_placement import ZERO, build, eventually
 
 #: Far above any honest run, even on a loaded 2-core machine.
 HANG = 60.0
@@ -32,30 +33,9 @@ def placement(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-async def runtime(placement: str) -> AsyncIterator[Factory]:
-    opened: list[of.Runtime] = []
-
-    async def make(*graphs: of.Graph, **kw: Any) -> of.Runtime:
-        rt = build(placement, *graphs, **kw)
-        await rt.start()
-        opened.append(rt)
-        return rt
-
-    yield make
-    for rt in opened:
-        stats = rt.stats()
-        await asyncio.wait_for(rt.close(), HANG)
-        assert stats == ZERO, f"runtime left work behind: {stats}"
-
-
-async def eventually(check: Callable[[], bool], what: str, deadline_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not check():
-        if loop.time() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+#: The placement suite's runtime factory (leftover work checked, closed after the test), here
+#: over this module's placements.
+runtime = test_placement.runtime
 
 
 def no_pending_tasks(rt: of.Runtime) -> None:
