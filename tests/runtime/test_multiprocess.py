@@ -426,15 +426,15 @@ async def test_redis_restart_disturbs_no_call_and_workers_reregister(
         # A 5 s stream: still running when the restart (a thread, slow under load) is done.
         call = rt.call("mp_stream", {"n": 50, "every": 0.1})
         got: list[list[int]] = []
-        restarted_at = 0.0
+        running_after_restart = False
         async for frame in call:
             got.append(frame.value)
             if len(got) == 5:
                 await asyncio.to_thread(redis.restart)
-                restarted_at = time.monotonic()
+                running_after_restart = call.status == "running"
         assert call.status == "ok", call.errors
         assert got == [[i, pid] for i in range(50)]
-        assert time.monotonic() - restarted_at > 0.3  # the call was still running after it
+        assert running_after_restart  # the call spanned the restart
 
         async def back() -> bool:
             try:
