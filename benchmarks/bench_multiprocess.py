@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_multiprocess.py            # ~1 min on 2 cores
     .venv/bin/python benchmarks/bench_multiprocess.py --quick    # ~25 s
     .venv/bin/python benchmarks/bench_multiprocess.py --no-profile
-    .venv/bin/python benchmarks/bench_multiprocess.py --only hop --only stream   # a subset
+    .venv/bin/python benchmarks/bench_multiprocess.py --only hop --only chain   # a subset
 
 1. **hop**: a 1-node graph (``x -> hop.run -> y``), ``await rt.run`` one call at a time, with
    ``placement="process"`` (the role in a worker) and in-process; hop = the difference. Against
@@ -13,7 +13,11 @@
    caller, each role in its own worker (``placement="process"``: 3 workers + the front;
    every frame crosses a process boundary 3 times). Frames/s seen by the caller; the
    in-process figure for scale. Then a cProfile of the front process for one stream.
-3. **replicas**: a CPU-bound role (a pure-Python loop of ~5 ms) with
+3. **chain**: a 3-node chain (``x -> c1 -> c2 -> c3 -> y``), each role in its own worker, one
+   call at a time, against a Ray Compiled Graph of 3 actors doing the same in the same run (when
+   ``ray`` is installed); then the idle CPU of each side (front/driver + 3 processes) over
+   ``--idle`` seconds (default 10).
+4. **replicas**: a CPU-bound role (a pure-Python loop of ~5 ms) with
    ``Deploy({"cpu": {"replicas": n}})``, n = 1, 2, 4, 200 concurrent calls: calls/s.
 
 The graphs are module-level objects of this file; the front loads them with
@@ -99,6 +103,42 @@ class Cpu(of.Role):
 
 
 cpu = of.Graph("bm_cpu", roles={"cpu": Cpu()}, inputs=[of.Placeholder("n")], outputs=["r"])
+
+
+class C1(of.Role):
+    @of.interface(inputs_or=[["x"]], outputs=["x1"])
+    async def run(self, x: int) -> dict[str, Any]:
+        return {"x1": x + 1}
+
+
+class C2(of.Role):
+    @of.interface(inputs_or=[["x1"]], outputs=["x2"])
+    async def run(self, x1: int) -> dict[str, Any]:
+        return {"x2": x1 + 1}
+
+
+class C3(of.Role):
+    @of.interface(inputs_or=[["x2"]], outputs=["y"])
+    async def run(self, x2: int) -> dict[str, Any]:
+        return {"y": x2 + 1}
+
+
+chain3 = of.Graph(
+    "bm_chain3",
+    roles={"c1": C1(), "c2": C2(), "c3": C3()},
+    inputs=[of.Placeholder("x")],
+    outputs=["y"],
+)
+
+
+class PlainStage:
+    """A Ray actor stage of the compiled-graph chain: the same work as C1..C3."""
+
+    def run(self, x: int) -> int:
+        return x + 1
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -273,7 +313,105 @@ def by_area(stats: pstats.Stats) -> list[tuple[str, float]]:
     return sorted(((a, t / whole) for a, t in totals.items()), key=lambda x: -x[1])
 
 
-# ---------------------------------------------------------------------------------- 3. replicas
+# ---------------------------------------------------------------------------------- 3. chain
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def idle_cpu(pids: list[int], seconds: float) -> float:
+    """CPU percent (of one core) that ``pids`` burn together over ``seconds`` of idling."""
+    before = sum(cpu_seconds(p) for p in pids)
+    await asyncio.sleep(seconds)
+    return 100 * (sum(cpu_seconds(p) for p in pids) - before) / seconds
+
+
+async def bench_chain(
+    graphs: dict[str, of.Graph], rounds: int, per_round: int, idle: float, with_ray: bool
+) -> dict[str, Any]:
+    """A 3-worker chain (``x -> c1 -> c2 -> c3 -> y``, each role in its own worker), one call at
+    a time, against a Ray Compiled Graph of 3 actors doing the same (``c3(c2(c1(x)))``), rounds
+    interleaved; then each side's idle CPU (front/driver + its 3 processes) over ``idle`` s."""
+    g = graphs["bm_chain3"]
+    res: dict[str, Any] = {"omniflow": [], "ray_cg": []}
+    compiled = actors = None
+    ray = None
+    if with_ray:
+        from ray.dag import InputNode
+
+        from omniflow.runtime._ray import init_ray
+
+        ray = init_ray(None, num_cpus=8, include_dashboard=False, log_to_driver=False)
+        actors = [ray.remote(PlainStage).options(num_cpus=1).remote() for _ in range(3)]
+        with InputNode() as inp:
+            dag = actors[2].run.bind(actors[1].run.bind(actors[0].run.bind(inp)))
+        compiled = dag.experimental_compile()
+    try:
+        async with of.Runtime(g, placement="process") as rt:
+            assert rt.remote is not None
+            for i in range(300):
+                assert (await rt.run("bm_chain3", {"x": i}))["y"] == [i + 3]
+            if compiled is not None:
+                for i in range(300):
+                    assert ray.get(compiled.execute(i)) == i + 3
+            for _ in range(rounds):
+                res["omniflow"] += await calls(rt, "bm_chain3", {"x": 1}, per_round)
+                if compiled is not None:
+                    out = res["ray_cg"]
+                    for i in range(per_round):
+                        t0 = time.perf_counter()
+                        ray.get(compiled.execute(i))
+                        out.append(time.perf_counter() - t0)
+            pids = [r.pid for r in rt.remote.fleet.replicas.values() if r.pid]
+            assert len(pids) == 3
+            res["idle_omniflow"] = await idle_cpu([os.getpid(), *pids], idle)
+        if compiled is not None:
+            assert actors is not None and ray is not None
+            apids = [ray.get(a.pid.remote()) for a in actors]
+            res["idle_ray_cg"] = await idle_cpu([os.getpid(), *apids], idle)
+    finally:
+        if compiled is not None:
+            compiled.teardown()
+        if ray is not None:
+            for a in actors or ():
+                ray.kill(a)
+            ray.shutdown()
+    return res
+
+
+async def report_chain(graphs: dict[str, of.Graph], rounds: int, per_round: int,
+                       idle: float) -> None:  # fmt: skip
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        with_ray = False
+    else:
+        with_ray = True
+    res = await bench_chain(graphs, rounds, per_round, idle, with_ray)
+    print(f"\n### 3. 3-stage chain, one call at a time ({len(res['omniflow'])} calls, µs)\n")
+    print("| path | p50 | p99 | idle CPU, % of a core |")
+    print("|---|---:|---:|---:|")
+    o = res["omniflow"]
+    print(f"| omniflow, 3 workers (`placement=\"process\"`) | {us(pct(o, 0.5))} | "
+          f"{us(pct(o, 0.99))} | {res['idle_omniflow']:.1f} |")  # fmt: skip
+    if res["ray_cg"]:
+        r = res["ray_cg"]
+        print(f"| Ray Compiled Graph, 3 actors | {us(pct(r, 0.5))} | {us(pct(r, 0.99))} | "
+              f"{res['idle_ray_cg']:.1f} |")  # fmt: skip
+        ratio = pct(o, 0.5) / pct(r, 0.5)
+        print(f"\nomniflow p50 / compiled graph p50: {ratio:.2f}x (target ≤ 1.0x: "
+              f"{'met' if ratio <= 1.0 else 'NOT met'})")  # fmt: skip
+    else:
+        print("\n(ray is not installed: no compiled-graph baseline)")
+    print(f"omniflow idle CPU with 3 workers over {idle:g} s: {res['idle_omniflow']:.1f}% "
+          f"(target ≤ 2%: {'met' if res['idle_omniflow'] <= 2 else 'NOT met'})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- 4. replicas
 
 
 def calibrate(target_s: float) -> int:
@@ -315,9 +453,10 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (~25 s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of the stream")
+    ap.add_argument("--idle", type=float, default=10.0, help="idle window for CPU cost (s)")
     ap.add_argument(
         "--only",
-        choices=("hop", "stream", "replicas"),
+        choices=("hop", "stream", "chain", "replicas"),
         action="append",
         help="run only these parts (repeatable; default: all)",
     )
@@ -333,11 +472,13 @@ async def main() -> None:
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
 
-    parts = set(args.only or ("hop", "stream", "replicas"))
+    parts = set(args.only or ("hop", "stream", "chain", "replicas"))
     if "hop" in parts:
         await report_hop(graphs, rounds, per_round)
     if "stream" in parts:
         await report_stream(graphs, args.quick, repeats, not args.no_profile)
+    if "chain" in parts:
+        await report_chain(graphs, rounds, per_round, args.idle)
     if "replicas" in parts:
         await report_replicas(graphs, repeats)
 
