@@ -70,7 +70,7 @@ class Replica:
     out: asyncio.Queue[list[Any] | None] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     #: (call id, aid) of activations it runs.
-    held: set[tuple[str, int]] = field(default_factory=set)
+    held: set[tuple[str, int | str]] = field(default_factory=set)
     exit_code: int | None = None
     #: Pending judgement of a replica absent from the registry (cancelled if it comes back).
     probation: asyncio.TimerHandle | None = None

@@ -15,6 +15,12 @@ connections, processes, heartbeat supervision, restarts and registry watch (``_f
 replica process is started (``_launch``: a subprocess today, behind the ``Launcher`` seam).
 This module assembles and answers the messages about calls: runs, frames, dones, cancels,
 releases, stats and the front-hosted Params Pool metadata.
+
+The fast path (``_forward``): a run may carry routes by which its worker starts the next node's
+runs on their worker itself. When the frame that caused such a run arrives, the call core makes
+the activation it always makes, and ``submit`` *binds* it to the forwarded run instead of
+sending one; what the forwarded run reported before that waits in ``_early`` and is replayed
+then. A forwarded run the core did not make is an orphan: cancelled, and what it sends dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from omniflow._exceptions import (
 from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane
 from omniflow.data._ref import DataRef
 from omniflow.data.kv._hosted import serve as serve_meta
+from omniflow.data._ref import refs_in
 from omniflow.data.kv._meta import MemoryMetadata
 from omniflow.registry._lb import (
     Broadcast,
@@ -47,8 +54,10 @@ from omniflow.registry._lb import (
     no_live_replica,
 )
 from omniflow.runtime._fleet import Fleet, Replica
+from omniflow.runtime._forward import Hop, fast_path_enabled, hops, parent_of, wire_id
 from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
+from omniflow.runtime._replica import ReplicaState
 from omniflow.transport._auth import resolve_key
 from omniflow.transport._protocol import (
     Cancel,
@@ -70,6 +79,7 @@ from omniflow.transport._protocol import (
 
 if TYPE_CHECKING:
     from omniflow.runtime._call import Call
+    from omniflow.runtime._compiled import Compiled
     from omniflow.runtime._core import Activation, CallCore
 
 __all__ = ["RemoteRoles"]
@@ -81,6 +91,22 @@ OnFrame = Callable[["Call", "CallCore", "Activation", Any], None]
 OnDone = Callable[["Call", "CallCore", "Activation", BaseException | None], None]
 
 
+#: A run's wire id: the front's activation id, or a forwarded run's str id (``_forward``).
+Wid = int | str
+#: (call id, wire id): how the front knows a remote activation.
+Key = tuple[str, Wid]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A fast-path route as the front sent it: the edge, the replica it names, and the routes
+    the downstream run itself was given."""
+
+    hop: Hop
+    rep: Replica
+    sub: tuple[_Plan, ...]
+
+
 @dataclass(slots=True)
 class _Pending:
     """An activation running on one or more replicas."""
@@ -90,6 +116,10 @@ class _Pending:
     act: Activation
     replicas: list[Replica]
     error: BaseException | None = None
+    #: The fast-path routes its run carried (index = route number in a frame's ``x``).
+    routes: tuple[_Plan, ...] = ()
+    #: Frames it sent so far (a forwarded run's id names the frame by this index).
+    k: int = 0
 
 
 class _RemoteHandle:
@@ -98,7 +128,7 @@ class _RemoteHandle:
 
     __slots__ = ("key", "remote")
 
-    def __init__(self, remote: RemoteRoles, key: tuple[str, int]) -> None:
+    def __init__(self, remote: RemoteRoles, key: Key) -> None:
         self.remote = remote
         self.key = key
 
@@ -125,8 +155,12 @@ class RemoteRoles:
         heartbeat_misses: int = 10,
         respawn: bool = True,
         launcher: Launcher | None = None,
+        fast_path: bool | None = None,
     ) -> None:
         self.processes = processes
+        #: Workers start direct-fire runs on each other (``_forward``); None: from
+        #: ``$OMNIFLOW_FAST_PATH`` (on unless it says 0/false/off/no).
+        self.fast_path = fast_path_enabled() if fast_path is None else fast_path
         #: The deployment's key (workers started here get it in their environment).
         self.cluster_key = cluster_key if cluster_key is not None else resolve_key()[0]
         #: The replicas: connections, processes, supervision (``_fleet``).
@@ -165,7 +199,21 @@ class RemoteRoles:
         self._stats_ids = itertools.count(1)
         self._on_frame = on_frame
         self._on_done = on_done
-        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._pending: dict[Key, _Pending] = {}
+        #: (graph, node) -> its fast-path edges (from the plan; ``_forward.hops``).
+        self._hops: dict[tuple[str, str], tuple[Hop, ...]] = {}
+        #: While a frame that forwarded runs is in the core: node -> (wire id, route) expected.
+        self._expect: dict[str, tuple[str, _Plan, int]] | None = None
+        #: Forwarded runs bound while the core handled a frame (their early messages replay).
+        self._bound: list[tuple[str, str]] = []
+        #: call id -> forwarded wire id -> (replica, messages) that came before their binding.
+        self._early: dict[str, dict[str, tuple[Replica, list[Message]]]] = {}
+        #: call id -> wire id -> replica of forwarded runs the core did not make (cancelled;
+        #: what they send is dropped) until their done.
+        self._orphans: dict[str, dict[str, Replica]] = {}
+        #: Fast-path counts: runs bound to a forwarded run, and orphans.
+        self.forwarded = 0
+        self.orphaned = 0
         rr = RoundRobin()
         #: Session pins: in the registry once it is started, else in this front only.
         self._session = SessionLoadBalance(fallback=rr)
@@ -176,7 +224,7 @@ class RemoteRoles:
             self._session.name: self._session,
         }
         #: (session, role) -> runs waiting for the registry to settle the session's pin.
-        self._pinning: dict[tuple[str, str], list[tuple[tuple[str, int], Any]]] = {}
+        self._pinning: dict[tuple[str, str], list[tuple[Key, Any]]] = {}
         self._call_replicas: dict[str, set[Replica]] = {}
         #: Send ``end_call`` to every replica a call ran on (Params Pools release there).
         self.track_calls = False
@@ -217,7 +265,13 @@ class RemoteRoles:
     # ------------------------------------------------------------------ routing
 
     def submit(self, call: Call, core: CallCore, act: Activation) -> None:
-        """Run ``act`` on a replica of its role (all replicas for lb="broadcast")."""
+        """Run ``act`` on a replica of its role (all replicas for lb="broadcast"), or bind it to
+        the run a worker forwarded for it."""
+        expect = self._expect
+        if expect is not None:
+            hit = expect.pop(act.node, None)
+            if hit is not None and self._bind(call, core, act, *hit):
+                return
         spec = core.c.specs[act.node]
         role = spec.role
         live = self.fleet.routable(role)
@@ -241,10 +295,14 @@ class RemoteRoles:
         ):
             kwargs = self._offload_inputs(key, act.node, kwargs)
         off = self._offload.get((call.graph, act.node)) or None
+        fw = None
+        if self.fast_path and targets is not None and len(targets) == 1:
+            plans, fw = self._fast_routes(core.c, call.graph, act.node)
+            self._pending[key].routes = plans
         run = Run(
             call.call_id, act.aid, act.node, kwargs, call.session, act.group, act.seq[2],
             call.graph, off, self._threshold if off else None,
-            self._connectors.get(act.node) or None,
+            self._connectors.get(act.node) or None, fw,
         )  # fmt: skip
         try:
             frames = encode_msg(run)
@@ -268,7 +326,70 @@ class RemoteRoles:
             return
         self._send_run(key, frames, targets)
 
-    def _send_run(self, key: tuple[str, int], frames: Any, targets: list[Replica]) -> None:
+    def _fast_routes(
+        self, c: Compiled, graph: str, node: str
+    ) -> tuple[tuple[_Plan, ...], list[Any] | None]:
+        """The fast-path routes of a run of ``node``: each to the one routable replica of its
+        target (an edge whose role has more, or none ready, is left to the front)."""
+        edges = self._hops.get((graph, node))
+        if edges is None:
+            edges = self._hops[(graph, node)] = hops(c, node, self.roles)
+        if not edges:
+            return (), None
+        plans: list[_Plan] = []
+        wire: list[Any] = []
+        for hop in edges:
+            live = self.fleet.routable(hop.role)
+            if len(live) != 1 or live[0].life.state is not ReplicaState.READY:
+                continue
+            rep = live[0]
+            sub, sub_wire = self._fast_routes(c, graph, hop.node)
+            off = self._offload.get((graph, hop.node)) or None
+            plans.append(_Plan(hop, rep, sub))
+            wire.append([
+                hop.field, hop.node, hop.group, rep.address, rep.replica_id, off,
+                self._threshold if off else None, self._connectors.get(hop.node) or None,
+                hop.qk, sub_wire,
+            ])  # fmt: skip
+        return tuple(plans), wire or None
+
+    def _bind(
+        self, call: Call, core: CallCore, act: Activation, wid: str, plan: _Plan, q: int
+    ) -> bool:
+        """``act`` is the activation a worker already started as ``wid``: take it as sent.
+        False (``wid`` orphaned) if anything differs from what was forwarded."""
+        rep = plan.rep
+        hop = plan.hop
+        if (
+            not rep.life.routable
+            or act.group != hop.group
+            or act.seq[2] != q
+            or len(act.kwargs) != 1
+            or hop.field not in act.kwargs
+        ):
+            self._orphan(rep, call.call_id, wid)
+            return False
+        key = (call.call_id, wid)
+        self._pending[key] = _Pending(call, core, act, [rep], routes=plan.sub)
+        call._tasks[act] = _RemoteHandle(self, key)
+        if core.c.plan.params or self.track_calls:
+            self._call_replicas.setdefault(key[0], set()).add(rep)
+        rep.held.add(key)
+        self.forwarded += 1
+        self._bound.append(key)
+        return True
+
+    def _orphan(self, rep: Replica, c: str, wid: str, done: bool = False) -> None:
+        """A forwarded run the core did not make: cancel it (unless it is ``done``) and drop
+        what it sends until its done."""
+        self.orphaned += 1
+        if done:
+            return
+        self._orphans.setdefault(c, {})[wid] = rep
+        if rep.alive:
+            rep.out.put_nowait(encode_msg(Cancel(c, wid)))
+
+    def _send_run(self, key: Key, frames: Any, targets: list[Replica]) -> None:
         if self._pending[key].core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).update(targets)
         for rep in targets:
@@ -290,7 +411,7 @@ class RemoteRoles:
     def _no_replica(call: Call, act: Activation, role: str) -> NodeError:
         return NodeError(act.node, no_live_replica(role), call_id=call.call_id, graph=call.graph)
 
-    def _defer(self, session: str, role: str, key: tuple[str, int], frames: Any) -> None:
+    def _defer(self, session: str, role: str, key: Key, frames: Any) -> None:
         waiting = self._pinning.get((session, role))
         if waiting is None:
             waiting = self._pinning[(session, role)] = []
@@ -322,9 +443,7 @@ class RemoteRoles:
             p.replicas.append(rep)
             self._send_run(key, frames, [rep])
 
-    def _offload_inputs(
-        self, key: tuple[str, int], node: str, kwargs: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _offload_inputs(self, key: Key, node: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Big inputs the front itself produced go to the worker through the front's pool."""
         assert self.plane is not None
         out = self.plane.offload(
@@ -348,6 +467,10 @@ class RemoteRoles:
 
     def end_call(self, call_id: str) -> None:
         """Let the workers drop what a finished call left: params and data-plane blocks."""
+        # Forwarded runs of the call still unaccounted for: nothing can bind them any more.
+        for wid, (rep, msgs) in self._early.pop(call_id, {}).items():
+            self._drop_early(rep, call_id, wid, msgs)
+        self._orphans.pop(call_id, None)  # (what they send later is dropped all the same)
         reps = self._call_replicas.pop(call_id, None)
         if reps:
             frames = encode_msg(EndCall(call_id))
@@ -362,7 +485,7 @@ class RemoteRoles:
                 rep.out.put_nowait(frames)
         self._session.forget(session)
 
-    def _cancel(self, key: tuple[str, int]) -> None:
+    def _cancel(self, key: Key) -> None:
         p = self._pending.get(key)
         if p is None:
             return
@@ -381,16 +504,30 @@ class RemoteRoles:
     def _on_message(self, rep: Replica, msg: Message) -> None:
         """A checked message about calls from ``rep`` (the fleet handles its own kinds)."""
         match msg:
-            case Frame(c=c, a=a, f=f):
-                self._replica_frame(rep, c, a, f)
-            case Frames(c=c, a=a, fs=fs):  # consecutive frames of one generator activation
-                for frame in fs:
-                    self._replica_frame(rep, c, a, frame)
-            case Done(c=c, a=a, f=f):
+            case Frame(c=c, a=a, f=f, x=x):
+                if (c, a) not in rep.held and type(a) is str:
+                    self._stray(rep, c, a, msg)
+                else:
+                    self._replica_frame(rep, c, a, f, x)
+            case Frames(c=c, a=a, fs=fs, xs=xs):  # consecutive frames of one generator act
+                if (c, a) not in rep.held and type(a) is str:
+                    self._stray(rep, c, a, msg)
+                elif xs is None:
+                    for frame in fs:
+                        self._replica_frame(rep, c, a, frame)
+                elif len(xs) != len(fs):
+                    self.fleet.dropped(rep, "malformed", OmniflowError("frames: len(xs) != len(fs)"))
+                else:
+                    for frame, x in zip(fs, xs, strict=True):
+                        self._replica_frame(rep, c, a, frame, x)
+            case Done(c=c, a=a, f=f, x=x):
+                if (c, a) not in rep.held and type(a) is str:
+                    self._stray(rep, c, a, msg)
+                    return
                 if not self._runs(rep, c, a, "done"):
                     return
                 if f is not None:  # a coroutine's returned frame rides in its done
-                    self._replica_frame(rep, c, a, f)
+                    self._replica_frame(rep, c, a, f, x)
                 self._replica_done(rep, (c, a), msg)
             case StatsReply(r=r):
                 fut = self._stats_waiting.pop(r, None)
@@ -436,7 +573,81 @@ class RemoteRoles:
         for pool, node in sorted(nodes):
             await self.pool_meta.leave(pool, node)
 
-    def _runs(self, rep: Replica, c: str, a: int, what: str) -> bool:
+    def _stray(self, rep: Replica, c: str, wid: str, msg: Message) -> None:
+        """A message of forwarded run ``wid`` that is not bound: keep it until the frame that
+        forwarded it arrives, or drop it (an orphan's)."""
+        if self._is_orphan(c, wid):
+            if wid not in self._orphans.get(c, {}) and type(msg) is not Done:
+                self._orphan(rep, c, wid)  # (counted again: it was not known as one)
+            self._drop(c, wid, msg)
+            return
+        self._early.setdefault(c, {}).setdefault(wid, (rep, []))[1].append(msg)
+
+    def _is_orphan(self, c: str, wid: Wid) -> bool:
+        """Whether nothing can bind forwarded run ``wid`` any more: the nearest ancestor the
+        front knows is an orphan, or the activation at its root ended (every frame of an
+        ended activation was handled, so each run it forwarded is bound or orphaned)."""
+        orphans = self._orphans.get(c, {})
+        while type(wid) is str:
+            if wid in orphans:
+                return True
+            wid = parent_of(wid)
+            if (c, wid) in self._pending:
+                return False
+        return (c, wid) not in self._pending
+
+    def _drop(self, c: str, wid: str, msg: Message) -> None:
+        """Drop a message of orphan ``wid``: refs among its outputs are let go."""
+        frames: list[Any] = []
+        match msg:
+            case Frame(f=f):
+                frames = [f]
+            case Frames(fs=fs):
+                frames = fs
+            case Done(f=f):
+                if f is not None:
+                    frames = [f]
+                orphans = self._orphans.get(c)
+                if orphans is not None:
+                    orphans.pop(wid, None)
+                    if not orphans:
+                        del self._orphans[c]
+        refs = [r for fr in frames if isinstance(fr, dict) for v in fr.values() for r in refs_in(v)]
+        if refs:
+            self.release(refs)
+
+    def _drop_early(self, rep: Replica, c: str, wid: str, msgs: list[Message]) -> None:
+        """Forwarded run ``wid`` can no longer be bound: an orphan; drop what it sent."""
+        self._orphan(rep, c, wid, done=any(type(m) is Done for m in msgs))
+        for m in msgs:
+            self._drop(c, wid, m)
+
+    def _recheck_early(self, c: str) -> None:
+        """An activation of call ``c`` ended: early runs nothing can bind become orphans."""
+        early = self._early.get(c)
+        if not early:
+            return
+        for wid in [w for w in early if self._is_orphan(c, w)]:
+            rep, msgs = early.pop(wid)
+            self._drop_early(rep, c, wid, msgs)
+        if not early:
+            del self._early[c]
+
+    def _replay(self) -> None:
+        """Deliver what bound forwarded runs sent before their binding, in order."""
+        while self._bound:
+            c, wid = self._bound.pop()
+            early = self._early.get(c)
+            entry = early.pop(wid, None) if early else None
+            if entry is None:
+                continue
+            if not early:
+                del self._early[c]
+            rep, msgs = entry
+            for m in msgs:
+                self._on_message(rep, m)
+
+    def _runs(self, rep: Replica, c: str, a: Wid, what: str) -> bool:
         """Only the replica that runs an activation speaks for it; anything else is dropped."""
         if (c, a) in rep.held:
             return True
@@ -444,16 +655,45 @@ class RemoteRoles:
         self.fleet.dropped(rep, "foreign", foreign)
         return False
 
-    def _replica_frame(self, rep: Replica, c: str, a: int, frame: Any) -> None:
+    def _replica_frame(
+        self, rep: Replica, c: str, a: Wid, frame: Any, x: list[Any] | None = None
+    ) -> None:
         if not self._runs(rep, c, a, "frame"):
             return
         p = self._pending.get((c, a))
-        if p is not None:
-            if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
-                self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
+        if p is None:
+            return
+        if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
+            self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
+        k = p.k
+        p.k = k + 1
+        if x is None:
             self._on_frame(p.call, p.core, p.act, frame)
+            return
+        expect: dict[str, tuple[str, _Plan, int]] = {}
+        for item in x:
+            r, wid = item if type(item) is list and len(item) == 2 else (None, None)
+            if type(r) is not int or not 0 <= r < len(p.routes) or wid != wire_id(a, k, r):
+                self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
+                continue
+            plan = p.routes[r]
+            q = k if plan.hop.qk else p.act.seq[2]
+            expect[plan.hop.node] = (wid, plan, q)
+        self._expect = expect
+        try:
+            self._on_frame(p.call, p.core, p.act, frame)
+        finally:
+            self._expect = None
+        for wid, plan, _q in expect.values():  # forwarded runs the core did not make
+            self._orphan(plan.rep, c, wid)
+            early = self._early.get(c)
+            entry = early.pop(wid, None) if early else None
+            if entry is not None:
+                for m in entry[1]:
+                    self._drop(c, wid, m)
+        self._replay()
 
-    def _replica_done(self, rep: Replica | None, key: tuple[str, int], err: Done | None) -> None:
+    def _replica_done(self, rep: Replica | None, key: Key, err: Done | None) -> None:
         if rep is not None:
             rep.held.discard(key)
         p = self._pending.get(key)
@@ -481,6 +721,8 @@ class RemoteRoles:
                 for ref in front_refs:
                     self.plane.release(ref)
             self._on_done(p.call, p.core, p.act, p.error)
+            if p.routes:
+                self._recheck_early(key[0])
 
     def _on_lost(self, rep: Replica, why: str) -> None:
         """``rep`` was lost: its pools leave the hosted metadata, what it held fails."""
@@ -489,7 +731,19 @@ class RemoteRoles:
             task = asyncio.get_running_loop().create_task(self._forget_pools(nodes))
             self._meta_tasks.add(task)
             task.add_done_callback(self._meta_tasks.discard)
-        for key in sorted(rep.held):
+        for c in list(self._early):  # what it sent before binding goes with it
+            early = self._early[c]
+            for wid in [w for w, (r, _) in early.items() if r is rep]:
+                del early[wid]
+            if not early:
+                del self._early[c]
+        for c in list(self._orphans):
+            orphans = self._orphans[c]
+            for wid in [w for w, r in orphans.items() if r is rep]:
+                del orphans[wid]
+            if not orphans:
+                del self._orphans[c]
+        for key in sorted(rep.held, key=str):
             p = self._pending.get(key)
             if p is None:
                 continue
@@ -508,6 +762,11 @@ class RemoteRoles:
             # Connected, not leaving: what calls can be routed to.
             "replicas": sum(1 for r in self.fleet.replicas.values() if r.life.routable),
             "remote_inflight": len(self._pending),
+            # The fast path: runs bound to one a worker forwarded, orphans, and what waits.
+            "forwarded": self.forwarded,
+            "orphaned": self.orphaned,
+            "forward_waiting": sum(len(e) for e in self._early.values())
+            + sum(len(o) for o in self._orphans.values()),
         }
 
     def wire_statistics(self) -> dict[str, Any]:

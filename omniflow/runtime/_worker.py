@@ -13,6 +13,10 @@ or ``--cluster-key-file``; checked before anything is decoded) and a fresh count
 messages act only on what the sending front owns (its activations, the calls whose state it
 made here; ``stop`` only from the front that spawned this worker). Drops are counted by
 reason and answered in ``StatsReply.wire``. It heartbeats every front that said hello.
+
+The fast path (``_forward``): a run may name downstream nodes this worker starts itself on
+their worker (``Forward``), frame by frame, telling the front which it forwarded; a forwarded
+run is served like one from the front it names, whose peer gets its frames and done.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
+from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
-from omniflow.transport import bind
+from omniflow.transport import bind, connect
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
 from omniflow.transport._protocol import (
     Bye,
@@ -49,6 +54,7 @@ from omniflow.transport._protocol import (
     CloseSession,
     Done,
     EndCall,
+    Forward,
     Frame,
     Frames,
     Heartbeat,
@@ -76,11 +82,40 @@ __all__ = ["Worker", "run_worker"]
 
 logger = logging.getLogger("omniflow.worker")
 
-_Key = tuple[bytes | None, str, int]
+_Key = tuple[bytes | None, str, int | str]
 
 
 #: Most frames of one generator activation sent in one ``frames`` message.
 FRAME_BATCH = 64
+
+
+class _Fw:
+    """The fast-path routes of one running activation, and its next frame index."""
+
+    __slots__ = ("a", "c", "ft", "gr", "k", "q", "routes", "s")
+
+    def __init__(self, routes: tuple[Route, ...], body: dict[str, Any], ft: str) -> None:
+        self.routes = routes
+        self.c: str = body["c"]
+        self.a: int | str = body["a"]
+        self.s: str | None = body["s"]
+        self.gr: str = body["gr"]
+        self.q: int = body["q"]
+        self.ft = ft
+        self.k = 0
+
+
+class _Link:
+    """This worker's connection to another worker it forwards runs to (one per address)."""
+
+    __slots__ = ("endpoint", "out", "sealer", "writer")
+
+    def __init__(self, endpoint: Any, sealer: Sealer) -> None:
+        self.endpoint = endpoint
+        self.sealer = sealer
+        #: Messages that could not go out at once, in order (the writer sends them).
+        self.out: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.writer: asyncio.Task[None] | None = None
 
 
 class _Unsendable(OmniflowError):
@@ -151,8 +186,17 @@ class Worker:
         self._opener = Opener(key, self.wire)
         #: The front that spawned this worker (its Hello says so); only it may ``stop`` it.
         self.owner = owner
-        #: Peer -> the front token its Hello carried.
+        #: Peer -> the front token its Hello carried, and back.
         self._fronts: dict[bytes | None, str] = {}
+        self._front_peers: dict[str, bytes | None] = {}
+        #: Running activation -> its fast-path routes (only runs that have some).
+        self._fw: dict[_Key, _Fw] = {}
+        #: Address -> connection to the worker there (fast-path forwards).
+        self._links: dict[str, _Link] = {}
+        #: The bound endpoint (sends to fronts go straight out when nothing waits before them).
+        self._endpoint: Any = None
+        #: The writer holds a message it has not sent yet.
+        self._writing = False
         #: Peer -> heartbeat interval it asked for.
         self._intervals: dict[bytes | None, float] = {}
         #: Call id -> the peer whose runs made call-scoped state here (params, pool blocks):
@@ -221,7 +265,7 @@ class Worker:
                 with contextlib.suppress(OSError), open(path, "w") as f:
                     f.write(str(exc))
             raise
-        endpoint = bind(self.address)
+        endpoint = self._endpoint = bind(self.address)
         self.plane.shm.source = endpoint.url
         registry = None
         try:
@@ -263,6 +307,11 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await registry.close()
             endpoint.close()
+            for link in self._links.values():
+                if link.writer is not None:
+                    link.writer.cancel()
+                link.endpoint.close()
+            self._links.clear()
             self._puller.close()
             self.plane.close()
             for role in reversed(self._roles):
@@ -317,9 +366,11 @@ class Worker:
 
     async def _write(self, endpoint: Any) -> None:
         while True:
+            self._writing = False
             item = await self._out.get()
             if item is None:
                 return
+            self._writing = True
             peer, frames = item
             try:
                 await endpoint.send(self._sealer.seal(frames), peer=peer)
@@ -364,12 +415,38 @@ class Worker:
                 self._out.put_nowait((peer, beat))
 
     def _send(self, peer: bytes | None, msg: Message) -> None:
-        self._out.put_nowait((peer, encode_msg(msg)))
+        self._put(peer, encode_msg(msg))
+
+    def _put(self, peer: bytes | None, frames: list[Any]) -> None:
+        """Send ``frames`` to ``peer``: at once when nothing waits before it (no writer
+        wake-up on a hop's critical path), else behind what waits, in order."""
+        endpoint = self._endpoint
+        if not self._writing and self._out.empty() and endpoint is not None:
+            try:
+                # A refused try used a counter the writer skips: gaps are allowed.
+                if endpoint.try_send(self._sealer.seal(frames), peer=peer):
+                    return
+            except (TransportError, RuntimeClosedError):
+                pass  # the writer meets the same error and forgets the peer
+        self._out.put_nowait((peer, frames))
 
     def _handle(self, peer: bytes | None, msg: Message) -> None:
         match msg:
             case Run():
                 self._start(peer, _run_body(msg))
+            case Forward(ft=ft, rid=rid):
+                front = self._front_peers.get(ft)
+                if rid != self.replica_id:
+                    self._dropped("foreign", TransportError(
+                        f"a forward for replica {rid!r:.60}, which this one ({self.replica_id}) "
+                        "is not"))  # fmt: skip
+                elif front is None and ft not in self._front_peers:
+                    self._dropped("foreign", TransportError(
+                        f"a forward on behalf of front {ft!r:.40}, which never said hello"))
+                else:
+                    body = _run_body(msg)
+                    del body["ft"], body["rid"]
+                    self._start(front, body)
             case Cancel(c=c, a=a):
                 task = self._running.get((peer, c, a))
                 if task is not None:
@@ -377,6 +454,7 @@ class Worker:
             case Hello(front=front, interval=interval):
                 self._peers.add(peer)
                 self._fronts[peer] = front
+                self._front_peers[front] = peer
                 if 0 < interval < 3600:  # (NaN and inf are not)
                     self._intervals[peer] = interval
                 self._send(peer, Ready(self.replica_id, self.role_names, os.getpid()))
@@ -543,6 +621,16 @@ class Worker:
             self._call_owner[c] = peer
         if off:
             self._offload[(peer, c, a)] = (node, off, body.get("th"))
+        fw = body.get("fw")
+        if fw:
+            ft = self._fronts.get(peer)
+            try:
+                routes = parse_routes(fw)
+            except ValueError as exc:
+                self._dropped("malformed", TransportError(f"fast-path routes of a run: {exc}"))
+            else:
+                if ft is not None:
+                    self._fw[(peer, c, a)] = _Fw(routes, body, ft)
         method = self._methods.get(node)
         if method is None:
             self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
@@ -586,6 +674,63 @@ class Worker:
         finally:
             _current.reset(token)
 
+    def _forward(self, key: _Key, frame: Any) -> list[Any] | None:
+        """Start this frame's fast-path runs on their workers; ``[route, wire id]`` of each
+        (None: none). A value on the data plane is not forwarded (the front holds refs)."""
+        fw = self._fw.get(key)
+        if fw is None:
+            return None
+        k = fw.k  # every frame counts (the front counts them the same way)
+        fw.k = k + 1
+        if type(frame) is not dict:
+            return None
+        x = None
+        for r, route in enumerate(fw.routes):
+            f = route.field
+            if f not in frame:
+                continue
+            value = frame[f]
+            if refs_in(value):
+                continue
+            wid = wire_id(fw.a, k, r)
+            msg = Forward(
+                fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s, route.group,
+                k if route.qk else fw.q, fw.gr, route.off, route.th, route.conn, route.sub,
+            )  # fmt: skip
+            try:
+                frames = encode_msg(msg)
+                self._link_send(route.address, frames)
+            except Exception as exc:  # not forwarded: the front runs it the slow way
+                logger.debug("worker %s: forward to %s failed: %s", self.replica_id,
+                             route.address, exc)  # fmt: skip
+                continue
+            if x is None:
+                x = []
+            x.append([r, wid])
+        return x
+
+    def _link_send(self, address: str, frames: list[Any]) -> None:
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = _Link(connect(address), Sealer(self._key))
+        if link.writer is None and link.out.empty():
+            if link.endpoint.try_send(link.sealer.seal(frames)):
+                return
+        link.out.put_nowait(frames)
+        if link.writer is None:
+            link.writer = asyncio.get_running_loop().create_task(self._link_write(link))
+
+    async def _link_write(self, link: _Link) -> None:
+        """Send what queued for a link, in order; done when the queue is empty."""
+        try:
+            while not link.out.empty():
+                frames = link.out.get_nowait()
+                await link.endpoint.send(link.sealer.seal(frames))
+        except (TransportError, RuntimeClosedError) as exc:
+            logger.warning("worker %s: a forward link failed: %s", self.replica_id, exc)
+        finally:
+            link.writer = None
+
     def _finished(self, key: _Key, coro: Any, task: asyncio.Task[Any]) -> None:
         self._running.pop(key, None)
         end = finished(coro, task)
@@ -610,9 +755,10 @@ class Worker:
         exc = await drive(agen, out.push)
         self._running.pop(key, None)
         out.flush()  # frames yielded before a failure still reach the front, in order
+        self._fw.pop(key, None)
         self._done(peer, c, a, exc or out.error)
 
-    def _placed(self, peer: bytes | None, c: str, a: int, frame: Any) -> Any:
+    def _placed(self, peer: bytes | None, c: str, a: int | str, frame: Any) -> Any:
         """``frame`` with the outputs this activation offloads put in the data plane."""
         off = self._offload.get((peer, c, a))
         if off is not None and isinstance(frame, dict):
@@ -626,25 +772,32 @@ class Worker:
         self,
         peer: bytes | None,
         c: str,
-        a: int,
+        a: int | str,
         exc: BaseException | None,
         frame: Any = None,
     ) -> None:
         """Say the activation ended; a coroutine's returned ``frame`` (not None) rides along,
         one message instead of ``frame`` + ``done`` (the front applies it first). A failure
         carries its type, message and formatted traceback (the front's NodeError gets it)."""
+        key = (peer, c, a)
         if exc is None and frame is not None:
             try:
-                msg = Done(c, a, self._placed(peer, c, a, frame))
-                self._out.put_nowait((peer, encode_msg(msg)))
+                placed = self._placed(peer, c, a, frame)
+                x = self._forward(key, placed) if self._fw else None
+                if x is None:
+                    self._put(peer, encode_msg(Done(c, a, placed)))
+                else:  # (what it forwarded, if this cannot be sent, the front orphans)
+                    self._put(peer, encode_msg(Done(c, a, placed, None, None, False, None, x)))
             except _Unsendable as e:
                 exc = e
             except Exception as e:  # a value the wire cannot carry fails the activation
                 exc = _Unsendable.sending(e)
             else:
-                self._offload.pop((peer, c, a), None)
+                self._offload.pop(key, None)
+                self._fw.pop(key, None)
                 return
-        self._offload.pop((peer, c, a), None)
+        self._offload.pop(key, None)
+        self._fw.pop(key, None)
         if exc is None:
             self._send(peer, Done(c, a))
         elif isinstance(exc, asyncio.CancelledError):
@@ -657,21 +810,33 @@ class Worker:
 class _FrameBatch:
     """The frames of one generator activation on their way to the front, batched per turn."""
 
-    __slots__ = ("a", "batch", "c", "error", "peer", "scheduled", "worker")
+    __slots__ = ("a", "batch", "c", "error", "key", "peer", "scheduled", "worker", "xs")
 
-    def __init__(self, worker: Worker, peer: bytes | None, c: str, a: int) -> None:
+    def __init__(self, worker: Worker, peer: bytes | None, c: str, a: int | str) -> None:
         self.worker = worker
         self.peer, self.c, self.a = peer, c, a
+        self.key = (peer, c, a)
         #: Frames placed (offloaded outputs in the data plane) and not sent yet.
         self.batch: list[Any] = []
+        #: Per frame of ``batch``: the runs forwarded for it (None when no frame had any).
+        self.xs: list[Any] | None = None
         #: A flush is due at the end of this loop turn.
         self.scheduled = False
         #: Why a flush failed (a value the wire cannot carry fails the activation).
         self.error: _Unsendable | None = None
 
     def push(self, frame: Any) -> bool:
-        """``drive``'s push: place and queue the frame; raises once a send failed."""
-        self.batch.append(self.worker._placed(self.peer, self.c, self.a, frame))
+        """``drive``'s push: place and queue the frame (forwarding its fast-path runs);
+        raises once a send failed."""
+        worker = self.worker
+        placed = worker._placed(self.peer, self.c, self.a, frame)
+        if worker._fw:
+            x = worker._forward(self.key, placed)
+            if x is not None and self.xs is None:
+                self.xs = [None] * len(self.batch)
+            if self.xs is not None:
+                self.xs.append(x)
+        self.batch.append(placed)
         if len(self.batch) >= FRAME_BATCH:
             self.flush()
         elif not self.scheduled:
@@ -686,16 +851,18 @@ class _FrameBatch:
         if not self.batch:
             return
         frames, self.batch = self.batch, []
+        xs, self.xs = self.xs, None
         try:
             if len(frames) == 1:
-                self.worker._send(self.peer, Frame(self.c, self.a, frames[0]))
+                x = None if xs is None else xs[0]
+                self.worker._send(self.peer, Frame(self.c, self.a, frames[0], x))
             else:
-                self.worker._send(self.peer, Frames(self.c, self.a, frames))
+                self.worker._send(self.peer, Frames(self.c, self.a, frames, xs))
         except Exception as e:  # a value the wire cannot carry fails the activation
             self.error = _Unsendable.sending(e)
 
 
-def _run_body(msg: Run) -> dict[str, Any]:
+def _run_body(msg: Run | Forward) -> dict[str, Any]:
     """A ``run`` as the dict the activation code works on; TransportError (the message is
     dropped and counted as malformed) when an argument name is not a str."""
     if not all(type(k) is str for k in msg.k):

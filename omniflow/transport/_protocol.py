@@ -2,9 +2,9 @@
 
     front -> worker                            worker -> front
     Hello  (front, interval)                   Ready  (replica, roles, pid)
-    Run    (c, a, n, k, s, g, q, gr,           Frame  (c, a, f)            (any number)
-            off, th, conn)                     Frames (c, a, fs)           (several, in order)
-    Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb)
+    Run    (c, a, n, k, s, g, q, gr,           Frame  (c, a, f, x)         (any number)
+            off, th, conn, fw)                 Frames (c, a, fs, xs)       (several, in order)
+    Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
     Release (refs)   EndCall (c)               Heartbeat ()                (every interval)
     SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire)
     StatsRequest (r)   CloseSession (s)
@@ -16,9 +16,19 @@
     consumer worker -> producer worker (the zmq connector, on the producer's endpoint)
     Pull (r, h)                                Pulled (r, data)  or  PullFailed (r, error)
 
+    upstream worker -> downstream worker (the fast path: no answer; results go to the front)
+    Forward (ft, rid, c, a, n, k, s, g, q, gr, off, th, conn, fw)
+
 ``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
 ``g`` OR group, ``q`` SeqId index, ``gr`` graph; ``off`` outputs to put in the worker's pool,
 ``th`` the front's offload threshold (None: the default), ``conn`` source node -> connector.
+``fw`` the run's fast-path routes: one ``[field, node, group, address, replica id, off, th,
+conn, q from the frame index, sub-routes]`` per downstream node the worker may start itself
+(``runtime/_forward.py``). A frame's ``x`` lists ``[route index, wire id]`` of the runs its
+worker forwarded for it (``xs``: one such list or None per frame of ``Frames``). ``a`` is the
+front's activation id (an int) or, for a forwarded run, its wire id (a str, ``"<upstream wire
+id>.<frame index>.<route index>"``). A ``Forward`` is a ``Run`` one worker sends another on
+behalf of front ``ft`` to replica ``rid``.
 A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front applies it
 first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
 cancellation, and the formatted traceback ``tb``.
@@ -46,6 +56,7 @@ __all__ = [
     "Done",
     "EndCall",
     "Frame",
+    "Forward",
     "Frames",
     "Heartbeat",
     "Hello",
@@ -94,7 +105,7 @@ class Ready(NamedTuple):
 
 class Run(NamedTuple):
     c: str
-    a: int
+    a: int | str
     n: str
     k: dict[str, Any]
     s: str | None
@@ -104,33 +115,56 @@ class Run(NamedTuple):
     off: list[str] | None = None
     th: int | None = None
     conn: dict[str, str] | None = None
+    fw: list[Any] | None = None
+
+
+class Forward(NamedTuple):
+    """A run one worker starts on another for front ``ft``, to replica ``rid`` only."""
+
+    ft: str
+    rid: str
+    c: str
+    a: str
+    n: str
+    k: dict[str, Any]
+    s: str | None
+    g: int
+    q: int
+    gr: str
+    off: list[str] | None = None
+    th: int | None = None
+    conn: dict[str, str] | None = None
+    fw: list[Any] | None = None
 
 
 class Cancel(NamedTuple):
     c: str
-    a: int
+    a: int | str
 
 
 class Frame(NamedTuple):
     c: str
-    a: int
+    a: int | str
     f: Any
+    x: list[Any] | None = None
 
 
 class Frames(NamedTuple):
     c: str
-    a: int
+    a: int | str
     fs: list[Any]
+    xs: list[Any] | None = None
 
 
 class Done(NamedTuple):
     c: str
-    a: int
+    a: int | str
     f: Any = None
     et: str | None = None
     em: str | None = None
     cancel: bool = False
     tb: str | None = None
+    x: list[Any] | None = None
 
 
 class Release(NamedTuple):
@@ -221,7 +255,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
         "run",
         (
             (str,),
-            (int,),
+            (int, str),
             (str,),
             (dict,),
             (str, _N),
@@ -231,12 +265,35 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
             (list, _N),
             (int, _N),
             (dict, _N),
+            (list, _N),
         ),
     ),
-    Cancel: ("cancel", ((str,), (int,))),
-    Frame: ("frame", ((str,), (int,), _ANY)),
-    Frames: ("frames", ((str,), (int,), (list,))),
-    Done: ("done", ((str,), (int,), _ANY, (str, _N), (str, _N), (bool,), (str, _N))),
+    Forward: (
+        "forward",
+        (
+            (str,),
+            (str,),
+            (str,),
+            (str,),
+            (str,),
+            (dict,),
+            (str, _N),
+            (int,),
+            (int,),
+            (str,),
+            (list, _N),
+            (int, _N),
+            (dict, _N),
+            (list, _N),
+        ),
+    ),
+    Cancel: ("cancel", ((str,), (int, str))),
+    Frame: ("frame", ((str,), (int, str), _ANY, (list, _N))),
+    Frames: ("frames", ((str,), (int, str), (list,), (list, _N))),
+    Done: (
+        "done",
+        ((str,), (int, str), _ANY, (str, _N), (str, _N), (bool,), (str, _N), (list, _N)),
+    ),
     Release: ("release", ((list,),)),
     EndCall: ("end_call", ((str,),)),
     SourceLost: ("source_lost", ((str,), (int,))),
@@ -256,7 +313,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
 
 
 Message = (
-    Hello | Ready | Run | Cancel | Frame | Frames | Done | Release | EndCall | SourceLost
+    Hello | Ready | Run | Forward | Cancel | Frame | Frames | Done | Release | EndCall | SourceLost
     | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled
     | PullFailed | MetaCall | MetaReply | MetaNotify
 )  # fmt: skip
