@@ -54,7 +54,14 @@ from omniflow.registry._lb import (
     no_live_replica,
 )
 from omniflow.runtime._fleet import Fleet, Replica
-from omniflow.runtime._forward import Hop, fast_path_enabled, hops, parent_of, wire_id
+from omniflow.runtime._forward import (
+    Hop,
+    Waiting,
+    fast_path_enabled,
+    hops,
+    parent_of,
+    wire_id,
+)
 from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import ReplicaState
@@ -206,8 +213,8 @@ class RemoteRoles:
         self._expect: dict[str, tuple[str, _Plan, int]] | None = None
         #: Forwarded runs bound while the core handled a frame (their early messages replay).
         self._bound: list[tuple[str, str]] = []
-        #: call id -> forwarded wire id -> (replica, messages) that came before their binding.
-        self._early: dict[str, dict[str, tuple[Replica, list[Message]]]] = {}
+        #: call id -> what its forwarded runs sent before their binding.
+        self._early: dict[str, Waiting] = {}
         #: call id -> wire id -> replica of forwarded runs the core did not make (cancelled;
         #: what they send is dropped) until their done.
         self._orphans: dict[str, dict[str, Replica]] = {}
@@ -468,8 +475,10 @@ class RemoteRoles:
     def end_call(self, call_id: str) -> None:
         """Let the workers drop what a finished call left: params and data-plane blocks."""
         # Forwarded runs of the call still unaccounted for: nothing can bind them any more.
-        for wid, (rep, msgs) in self._early.pop(call_id, {}).items():
-            self._drop_early(rep, call_id, wid, msgs)
+        waiting = self._early.pop(call_id, None)
+        if waiting is not None:
+            for wid, (rep, msgs) in waiting.early.items():
+                self._drop_early(rep, call_id, wid, msgs)
         self._orphans.pop(call_id, None)  # (what they send later is dropped all the same)
         reps = self._call_replicas.pop(call_id, None)
         if reps:
@@ -581,12 +590,16 @@ class RemoteRoles:
                 self._orphan(rep, c, wid)  # (counted again: it was not known as one)
             self._drop(c, wid, msg)
             return
-        self._early.setdefault(c, {}).setdefault(wid, (rep, []))[1].append(msg)
+        waiting = self._early.get(c)
+        if waiting is None:
+            waiting = self._early[c] = Waiting()
+        waiting.add(rep, wid, msg)
 
     def _is_orphan(self, c: str, wid: Wid) -> bool:
-        """Whether nothing can bind forwarded run ``wid`` any more: the nearest ancestor the
-        front knows is an orphan, or the activation at its root ended (every frame of an
-        ended activation was handled, so each run it forwarded is bound or orphaned)."""
+        """Whether nothing can bind forwarded run ``wid`` any more: its nearest ancestor the
+        front knows of is an orphan, or is not running (an activation that ended had every
+        frame handled, so each run it forwarded is bound or orphaned). An ancestor still
+        waiting for its own binding decides nothing: look further up."""
         orphans = self._orphans.get(c, {})
         while type(wid) is str:
             if wid in orphans:
@@ -594,7 +607,7 @@ class RemoteRoles:
             wid = parent_of(wid)
             if (c, wid) in self._pending:
                 return False
-        return (c, wid) not in self._pending
+        return True
 
     def _drop(self, c: str, wid: str, msg: Message) -> None:
         """Drop a message of orphan ``wid``: refs among its outputs are let go."""
@@ -622,26 +635,26 @@ class RemoteRoles:
         for m in msgs:
             self._drop(c, wid, m)
 
-    def _recheck_early(self, c: str) -> None:
-        """An activation of call ``c`` ended: early runs nothing can bind become orphans."""
-        early = self._early.get(c)
-        if not early:
+    def _orphan_early(self, c: str, a: Wid) -> None:
+        """Activation ``a`` of call ``c`` ended: the runs forwarded below it that are still
+        unbound can never be (its frames were all handled): orphans."""
+        waiting = self._early.get(c)
+        if not waiting:
             return
-        for wid in [w for w in early if self._is_orphan(c, w)]:
-            rep, msgs = early.pop(wid)
+        for wid, rep, msgs in waiting.orphans_of(a):
             self._drop_early(rep, c, wid, msgs)
-        if not early:
+        if not waiting:
             del self._early[c]
 
     def _replay(self) -> None:
         """Deliver what bound forwarded runs sent before their binding, in order."""
         while self._bound:
             c, wid = self._bound.pop()
-            early = self._early.get(c)
-            entry = early.pop(wid, None) if early else None
+            waiting = self._early.get(c)
+            entry = waiting.take(wid) if waiting else None
             if entry is None:
                 continue
-            if not early:
+            if not waiting:
                 del self._early[c]
             rep, msgs = entry
             for m in msgs:
@@ -685,12 +698,17 @@ class RemoteRoles:
         finally:
             self._expect = None
         for wid, plan, _q in expect.values():  # forwarded runs the core did not make
-            self._orphan(plan.rep, c, wid)
-            early = self._early.get(c)
-            entry = early.pop(wid, None) if early else None
-            if entry is not None:
-                for m in entry[1]:
-                    self._drop(c, wid, m)
+            waiting = self._early.get(c)
+            entry = waiting.take(wid) if waiting else None
+            if entry is None:
+                self._orphan(plan.rep, c, wid)
+            else:
+                self._drop_early(plan.rep, c, wid, entry[1])
+            if waiting is not None:
+                for sub, rep, msgs in waiting.orphans_of(wid):  # (it will bind none of them)
+                    self._drop_early(rep, c, sub, msgs)
+                if not waiting:
+                    del self._early[c]
         self._replay()
 
     def _replica_done(self, rep: Replica | None, key: Key, err: Done | None) -> None:
@@ -722,7 +740,7 @@ class RemoteRoles:
                     self.plane.release(ref)
             self._on_done(p.call, p.core, p.act, p.error)
             if p.routes:
-                self._recheck_early(key[0])
+                self._orphan_early(*key)
 
     def _on_lost(self, rep: Replica, why: str) -> None:
         """``rep`` was lost: its pools leave the hosted metadata, what it held fails."""
@@ -732,10 +750,9 @@ class RemoteRoles:
             self._meta_tasks.add(task)
             task.add_done_callback(self._meta_tasks.discard)
         for c in list(self._early):  # what it sent before binding goes with it
-            early = self._early[c]
-            for wid in [w for w, (r, _) in early.items() if r is rep]:
-                del early[wid]
-            if not early:
+            waiting = self._early[c]
+            waiting.drop_replica(rep)
+            if not waiting:
                 del self._early[c]
         for c in list(self._orphans):
             orphans = self._orphans[c]
