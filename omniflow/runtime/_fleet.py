@@ -33,6 +33,8 @@ from omniflow.runtime._replica import Backoff, Lifecycle, ReplicaEvent, ReplicaS
 from omniflow.transport import connect
 from omniflow.transport._auth import Opener, Sealer, WireStats
 from omniflow.transport._protocol import (
+    MAX_BATCH,
+    Batch,
     Bye,
     Heartbeat,
     Hello,
@@ -41,6 +43,8 @@ from omniflow.transport._protocol import (
     Ready,
     SourceLost,
     Stop,
+    batch,
+    decode_inner,
     decode_msg,
     encode_msg,
 )
@@ -281,15 +285,23 @@ class Fleet:
     # ------------------------------------------------------------------ I/O
 
     async def _write(self, rep: Replica) -> None:
+        """Send what is queued for ``rep``, in order; what queued together leaves batched."""
+        out = rep.out
         while True:
-            frames = await rep.out.get()
-            if frames is None:
-                return
+            items = [await out.get()]
+            while items[-1] is not None and not out.empty() and len(items) < MAX_BATCH:
+                items.append(out.get_nowait())
+            stop = items[-1] is None
+            if stop:
+                items.pop()
             assert rep.sealer is not None
             try:
-                await rep.endpoint.send(rep.sealer.seal(frames))
+                for frames in batch(items):  # type: ignore[arg-type]
+                    await rep.endpoint.send(rep.sealer.seal(frames))
             except (TransportError, RuntimeClosedError) as exc:
                 self.lost(rep, f"sending to it failed ({exc})")
+                return
+            if stop:
                 return
 
     async def _read(self, rep: Replica) -> None:
@@ -309,13 +321,27 @@ class Fleet:
                         continue
                     rep.last_seen = loop.time()
                     try:
-                        self._handle(rep, decode_msg(inner))
+                        msg = decode_msg(inner)
+                        if type(msg) is Batch:
+                            for m in msg.ms:
+                                self._handle_inner(rep, m)
+                        else:
+                            self._handle(rep, msg)
                     except ProtocolError as exc:
                         self.dropped(rep, exc.reason, exc)
                     except (KeyError, TypeError, ValueError) as exc:  # a malformed body
                         self.dropped(rep, "malformed", exc)
             finally:
                 self.in_batch = False
+
+    def _handle_inner(self, rep: Replica, m: Any) -> None:
+        """One message of a batch (a bad one is dropped alone)."""
+        try:
+            self._handle(rep, decode_inner(m))
+        except ProtocolError as exc:
+            self.dropped(rep, exc.reason, exc)
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed body
+            self.dropped(rep, "malformed", exc)
 
     def _handle(self, rep: Replica, msg: Message) -> None:
         match msg:

@@ -49,6 +49,7 @@ from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind, connect
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
 from omniflow.transport._protocol import (
+    Batch,
     Bye,
     Cancel,
     CloseSession,
@@ -74,6 +75,8 @@ from omniflow.transport._protocol import (
     StatsReply,
     StatsRequest,
     Stop,
+    batch,
+    decode_inner,
     decode_msg,
     encode_msg,
 )
@@ -197,6 +200,11 @@ class Worker:
         self._endpoint: Any = None
         #: The writer holds a message it has not sent yet.
         self._writing = False
+        #: Handling a batch of received messages: what they make waits here, per peer or
+        #: link address, and leaves as few messages as possible when the batch is handled.
+        self._reading = False
+        self._held: dict[bytes | None, list[list[Any]]] = {}
+        self._held_links: dict[str, list[list[Any]]] = {}
         #: Peer -> heartbeat interval it asked for.
         self._intervals: dict[bytes | None, float] = {}
         #: Call id -> the peer whose runs made call-scoped state here (params, pool blocks):
@@ -387,19 +395,59 @@ class Worker:
                 batch = await endpoint.recv_batch()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            for i, (peer, frames) in enumerate(batch):
-                if i and i % 256 == 0:
-                    await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
-                inner = self._opener.open(frames)
-                if inner is None:
-                    self._dropped(None)
-                    continue
-                try:
-                    self._handle(peer, decode_msg(inner))
-                except ProtocolError as exc:
-                    self._dropped(exc.reason, exc)
-                except Exception as exc:  # a bad message never kills the worker
-                    self._dropped("malformed", exc)
+            self._reading = True
+            try:
+                for i, (peer, frames) in enumerate(batch):
+                    if i and i % 256 == 0:
+                        self._flush_held()
+                        await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
+                    inner = self._opener.open(frames)
+                    if inner is None:
+                        self._dropped(None)
+                        continue
+                    try:
+                        msg = decode_msg(inner)
+                        if type(msg) is Batch:
+                            for m in msg.ms:
+                                self._handle_one(peer, decode_inner, m)
+                        else:
+                            self._handle(peer, msg)
+                    except ProtocolError as exc:
+                        self._dropped(exc.reason, exc)
+                    except Exception as exc:  # a bad message never kills the worker
+                        self._dropped("malformed", exc)
+            finally:
+                self._reading = False
+                self._flush_held()
+
+    def _handle_one(self, peer: bytes | None, decode: Callable[[Any], Message], m: Any) -> None:
+        """Decode and handle one message of a batch (a bad one is dropped alone)."""
+        try:
+            self._handle(peer, decode(m))
+        except ProtocolError as exc:
+            self._dropped(exc.reason, exc)
+        except Exception as exc:  # a bad message never kills the worker
+            self._dropped("malformed", exc)
+
+    def _flush_held(self) -> None:
+        """Send what the handled messages made: per peer and link, batched, in order."""
+        reading, self._reading = self._reading, False
+        try:
+            self._send_held()
+        finally:
+            self._reading = reading
+
+    def _send_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, {}
+            for peer, items in held.items():
+                for frames in batch(items):
+                    self._put(peer, frames)
+        if self._held_links:
+            held_links, self._held_links = self._held_links, {}
+            for address, items in held_links.items():
+                for frames in batch(items):
+                    self._link_send(address, frames)
 
     def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
         """A message was dropped (counted, and logged now and then)."""
@@ -420,6 +468,9 @@ class Worker:
     def _put(self, peer: bytes | None, frames: list[Any]) -> None:
         """Send ``frames`` to ``peer``: at once when nothing waits before it (no writer
         wake-up on a hop's critical path), else behind what waits, in order."""
+        if self._reading:
+            self._held.setdefault(peer, []).append(frames)
+            return
         endpoint = self._endpoint
         if not self._writing and self._out.empty() and endpoint is not None:
             try:
@@ -699,7 +750,10 @@ class Worker:
             )  # fmt: skip
             try:
                 frames = encode_msg(msg)
-                self._link_send(route.address, frames)
+                if self._reading:
+                    self._held_links.setdefault(route.address, []).append(frames)
+                else:
+                    self._link_send(route.address, frames)
             except Exception as exc:  # not forwarded: the front runs it the slow way
                 logger.debug("worker %s: forward to %s failed: %s", self.replica_id,
                              route.address, exc)  # fmt: skip

@@ -19,6 +19,9 @@
     upstream worker -> downstream worker (the fast path: no answer; results go to the front)
     Forward (ft, rid, c, a, n, k, s, g, q, gr, off, th, conn, fw)
 
+    either way
+    Batch (ms)   several single-frame messages to one peer, sealed once (``batch``)
+
 ``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
 ``g`` OR group, ``q`` SeqId index, ``gr`` graph; ``off`` outputs to put in the worker's pool,
 ``th`` the front's offload threshold (None: the default), ``conn`` source node -> connector.
@@ -49,7 +52,9 @@ from omniflow._exceptions import TransportError
 from omniflow.transport._codec import Buffer, decode_message, encode
 
 __all__ = [
+    "MAX_BATCH",
     "MESSAGES",
+    "Batch",
     "Bye",
     "Cancel",
     "CloseSession",
@@ -75,6 +80,8 @@ __all__ = [
     "StatsReply",
     "StatsRequest",
     "Stop",
+    "batch",
+    "decode_inner",
     "decode_msg",
     "encode_msg",
     "kind_of",
@@ -90,6 +97,17 @@ class ProtocolError(TransportError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+#: Most messages in one ``Batch``.
+MAX_BATCH = 256
+
+
+class Batch(NamedTuple):
+    """Messages to one peer that were ready together: each an encoded single-frame envelope,
+    all under the batch's one MAC (no batch inside a batch)."""
+
+    ms: list[bytes]
 
 
 class Hello(NamedTuple):
@@ -249,6 +267,7 @@ class MetaNotify(NamedTuple):
 
 #: message type -> (kind, allowed types of each field, in order).
 _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
+    Batch: ("batch", ((list,),)),
     Hello: ("hello", ((str,), (float, int))),
     Ready: ("ready", ((str,), (list,), (int,))),
     Run: (
@@ -313,8 +332,8 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
 
 
 Message = (
-    Hello | Ready | Run | Forward | Cancel | Frame | Frames | Done | Release | EndCall | SourceLost
-    | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled
+    Batch | Hello | Ready | Run | Forward | Cancel | Frame | Frames | Done | Release | EndCall
+    | SourceLost | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled
     | PullFailed | MetaCall | MetaReply | MetaNotify
 )  # fmt: skip
 #: kind -> (message type, allowed types of each field).
@@ -377,4 +396,40 @@ def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
                 "malformed",
             )
     msg: Message = cls(*body)
+    return msg
+
+
+def batch(items: list[list[Buffer]]) -> list[list[Buffer]]:
+    """The messages ``items`` (encoded envelopes, in order) as few messages as can carry them:
+    runs of single-frame envelopes become ``Batch`` messages of at most MAX_BATCH; a message
+    with out-of-band frames goes alone, in its place."""
+    out: list[list[Buffer]] = []
+    run: list[bytes] = []
+
+    def close_run() -> None:
+        if len(run) == 1:
+            out.append([run[0]])
+        elif run:
+            out.append(encode_msg(Batch(list(run))))
+        run.clear()
+
+    for frames in items:
+        if len(frames) == 1:
+            run.append(bytes(frames[0]))
+            if len(run) == MAX_BATCH:
+                close_run()
+        else:
+            close_run()
+            out.append(frames)
+    close_run()
+    return out
+
+
+def decode_inner(m: Any) -> Message:
+    """One message of a ``Batch`` (ProtocolError for anything else, or a nested batch)."""
+    if type(m) is not bytes:
+        raise ProtocolError(f"malformed batch: an item is a {type(m).__name__}", "malformed")
+    msg = decode_msg([m])
+    if type(msg) is Batch:
+        raise ProtocolError("malformed batch: a batch inside a batch", "malformed")
     return msg

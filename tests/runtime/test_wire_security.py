@@ -29,7 +29,9 @@ from omniflow.testing import RedisServer
 from omniflow.transport import bind, encode
 from omniflow.transport._auth import BULK_BYTES, TAG_BYTES, Opener, Sealer
 from omniflow.transport._protocol import (
+    Batch,
     Done,
+    Forward,
     Frame,
     Heartbeat,
     Hello,
@@ -177,14 +179,31 @@ async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(tmp_path
                     sock.send_multipart(frames)
                 # A key holder that is not the worker's front may not stop it.
                 sock.send_multipart(me.seal(encode_msg(Stop())))
-                sock.send_multipart(me.seal(encode_msg(StatsRequest(2))))
-                while True:
-                    assert sock.poll(30_000), "the worker never answered"
-                    inner = opener.open(sock.recv_multipart())
-                    assert inner is not None
-                    msg = decode_msg(inner)
-                    if isinstance(msg, StatsReply) and msg.r == 2:
-                        return msg.wire
+
+                def stats(r: int) -> dict[str, int]:
+                    sock.send_multipart(me.seal(encode_msg(StatsRequest(r))))
+                    while True:
+                        assert sock.poll(30_000), "the worker never answered"
+                        inner = opener.open(sock.recv_multipart())
+                        assert inner is not None
+                        msg = decode_msg(inner)
+                        if isinstance(msg, StatsReply) and msg.r == r:
+                            return msg.wire
+
+                before = stats(2)
+                # A batch: each bad item is dropped alone, the good ones are served.
+                forward = ["c", "0.0.0", "r.run", {"x": 1}, None, 0, 0, "mp_scale"]
+                items = [
+                    b"garbage",
+                    bytes(encode_msg(Batch([bytes(encode_msg(StatsRequest(9))[0])]))[0]),
+                    bytes(encode_msg(Forward("some-front", "another-replica", *forward))[0]),
+                    bytes(encode_msg(Forward("never-said-hello", rep.replica_id, *forward))[0]),
+                ]
+                sock.send_multipart(me.seal(encode_msg(Batch(items))))
+                after = stats(3)
+                assert after["dropped_malformed"] - before["dropped_malformed"] == 2
+                assert after["dropped_foreign"] - before["dropped_foreign"] == 2
+                return after
             finally:
                 sock.close()
                 ctx.term()

@@ -27,7 +27,10 @@ from omniflow.transport._auth import (
     resolve_key,
 )
 from omniflow.transport._protocol import (
+    MAX_BATCH,
     MESSAGES,
+    Batch,
+    Bye,
     Cancel,
     Done,
     Frame,
@@ -35,6 +38,8 @@ from omniflow.transport._protocol import (
     ProtocolError,
     Run,
     Stop,
+    batch,
+    decode_inner,
     decode_msg,
     encode_msg,
 )
@@ -252,7 +257,7 @@ def test_every_message_round_trips(msg: Any) -> None:
 
 
 _WRONG = [
-    ("run", ["c", "1", "n", {}, None, 0, 0, "g"], "'a' is a str"),
+    ("run", ["c", 1.5, "n", {}, None, 0, 0, "g"], "'a' is a float"),
     ("run", ["c", True, "n", {}, None, 0, 0, "g"], "'a' is a bool"),
     ("run", ["c", 1, "n", {}, None, 0], "6 fields"),
     ("cancel", ["c", 1, 2], "3 fields"),
@@ -274,3 +279,46 @@ def test_every_kind_is_one_type() -> None:
     assert len(kinds) == len(set(kinds)) == len({cls for cls, _ in MESSAGES.values()})
     for cls, types in MESSAGES.values():
         assert len(cls._fields) == len(types)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _unbatch(sent: list[list[Any]]) -> list[list[bytes]]:
+    """What a receiver hands on, message by message, from what ``batch`` made."""
+    out: list[list[bytes]] = []
+    for frames in sent:
+        msg = decode_msg(frames)
+        if type(msg) is Batch:
+            out.extend([[bytes(m)] for m in msg.ms])
+            assert all(type(decode_inner(m)) is not Batch for m in msg.ms)
+        else:
+            out.append([bytes(f) for f in frames])
+    return out
+
+
+@given(
+    sizes=st.lists(st.sampled_from(["small", "big"]), max_size=MAX_BATCH * 2 + 5),
+)
+def test_batch_keeps_every_message_in_order(sizes: list[str]) -> None:
+    items = [
+        encode_msg(Frame("c", i, {"v": i} if kind == "small" else {"v": np.zeros(20_000)}))
+        for i, kind in enumerate(sizes)
+    ]
+    sent = batch(items)
+    assert _unbatch(sent) == [[bytes(f) for f in frames] for frames in items]
+    # singles ride together (at most MAX_BATCH per batch); out-of-band messages go alone
+    assert len(sent) <= len(items)
+    for frames in sent:
+        msg = decode_msg(frames)
+        if type(msg) is Batch:
+            assert 2 <= len(msg.ms) <= MAX_BATCH
+
+
+def test_a_batch_item_must_be_one_plain_message() -> None:
+    with pytest.raises(ProtocolError, match="batch inside a batch"):
+        decode_inner(bytes(encode_msg(Batch([bytes(encode_msg(Bye())[0])]))[0]))
+    with pytest.raises(ProtocolError, match="an item is a int"):
+        decode_inner(5)
+    with pytest.raises(ProtocolError):
+        decode_inner(b"not an envelope")
