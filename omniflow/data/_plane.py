@@ -331,7 +331,7 @@ class DataPlane:
         return mod == "numpy" or mod.startswith("torch")
 
     def offload(
-        self, node: str, call_id: str, aid: int, yidx: int, frame: dict[str, Any],
+        self, node: str, call_id: str, aid: int | str, yidx: int, frame: dict[str, Any],
         fields: frozenset[str] | set[str] | list[str], threshold: int | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """``frame`` with each big value of ``fields`` replaced by a DataRef in our pool.

@@ -42,9 +42,8 @@ from omniflow._exceptions import (
     TransportError,
 )
 from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane
-from omniflow.data._ref import DataRef
+from omniflow.data._ref import DataRef, refs_in
 from omniflow.data.kv._hosted import serve as serve_meta
-from omniflow.data._ref import refs_in
 from omniflow.data.kv._meta import MemoryMetadata
 from omniflow.registry._lb import (
     Broadcast,
@@ -192,7 +191,7 @@ class RemoteRoles:
         #: node -> {source node: connector} for edges configured away from "auto".
         self._connectors = connectors or {}
         #: (call id, aid) -> refs the front put in its own pool for that remote activation.
-        self._front_refs: dict[tuple[str, int], list[DataRef]] = {}
+        self._front_refs: dict[Key, list[DataRef]] = {}
         #: The front's offload threshold, sent with each run that offloads (None: the default).
         self._threshold = (
             plane.threshold if plane is not None and plane.threshold != DEFAULT_THRESHOLD else None
@@ -525,7 +524,9 @@ class RemoteRoles:
                     for frame in fs:
                         self._replica_frame(rep, c, a, frame)
                 elif len(xs) != len(fs):
-                    self.fleet.dropped(rep, "malformed", OmniflowError("frames: len(xs) != len(fs)"))
+                    self.fleet.dropped(
+                        rep, "malformed", OmniflowError("frames: len(xs) != len(fs)")
+                    )
                 else:
                     for frame, x in zip(fs, xs, strict=True):
                         self._replica_frame(rep, c, a, frame, x)

@@ -492,8 +492,12 @@ class Worker:
                         f"a forward for replica {rid!r:.60}, which this one ({self.replica_id}) "
                         "is not"))  # fmt: skip
                 elif front is None and ft not in self._front_peers:
-                    self._dropped("foreign", TransportError(
-                        f"a forward on behalf of front {ft!r:.40}, which never said hello"))
+                    self._dropped(
+                        "foreign",
+                        TransportError(
+                            f"a forward on behalf of front {ft!r:.40}, which never said hello"
+                        ),
+                    )
                 else:
                     body = _run_body(msg)
                     del body["ft"], body["rid"]
@@ -767,9 +771,12 @@ class Worker:
         link = self._links.get(address)
         if link is None:
             link = self._links[address] = _Link(connect(address), Sealer(self._key))
-        if link.writer is None and link.out.empty():
-            if link.endpoint.try_send(link.sealer.seal(frames)):
-                return
+        if (
+            link.writer is None
+            and link.out.empty()
+            and link.endpoint.try_send(link.sealer.seal(frames))
+        ):
+            return
         link.out.put_nowait(frames)
         if link.writer is None:
             link.writer = asyncio.get_running_loop().create_task(self._link_write(link))

@@ -358,7 +358,10 @@ async def test_sigkill_of_a_spawned_worker_mid_stream(n_replicas: int) -> None:
         assert rt.remote is not None
         stats = rt.remote.statistics()
         assert (stats["replicas"], stats["remote_inflight"], stats["forward_waiting"]) == (
-            n_replicas - 1, 0, 0)
+            n_replicas - 1,
+            0,
+            0,
+        )
         if n_replicas == 2:
             outs = await asyncio.gather(
                 *(rt.run("mp_stream", {"n": 3, "every": 0.0}) for _ in range(4))
