@@ -516,9 +516,7 @@ class RemoteRoles:
                     for frame in fs:
                         self._replica_frame(rep, c, a, frame)
                 elif len(xs) != len(fs):
-                    self.fleet.dropped(
-                        rep, "malformed", OmniflowError("frames: len(xs) != len(fs)")
-                    )
+                    self.fleet.dropped(rep, "malformed", OmniflowError("frames: len(xs) != len(fs)"))
                 else:
                     for frame, x in zip(fs, xs, strict=True):
                         self._replica_frame(rep, c, a, frame, x)

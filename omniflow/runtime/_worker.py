@@ -448,12 +448,8 @@ class Worker:
                         f"a forward for replica {rid!r:.60}, which this one ({self.replica_id}) "
                         "is not"))  # fmt: skip
                 elif front is None and ft not in self._front_peers:
-                    self._dropped(
-                        "foreign",
-                        TransportError(
-                            f"a forward on behalf of front {ft!r:.40}, which never said hello"
-                        ),
-                    )
+                    self._dropped("foreign", TransportError(
+                        f"a forward on behalf of front {ft!r:.40}, which never said hello"))
                 else:
                     body = _run_body(msg)
                     del body["ft"], body["rid"]
