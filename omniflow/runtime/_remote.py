@@ -807,6 +807,15 @@ class RemoteRoles:
         and ``end_call`` messages, so the answer reflects every one sent before it. A replica
         that does not answer within ``timeout`` is left out.
         """
+        return {
+            name: {**body["plane"], "pid": body["pid"]}
+            for name, body in (await self.worker_stats(timeout)).items()
+        }
+
+    async def worker_stats(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Each live replica's ``StatsReply`` as a dict (``pid``, ``plane``, ``wire``: what it
+        accepted and dropped, ``work``: what it holds), by replica id; as ``data_plane_stats``
+        (which reads it), a replica that does not answer within ``timeout`` is left out."""
         loop = asyncio.get_running_loop()
         asked: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
         for rep in self.fleet.replicas.values():
@@ -822,9 +831,4 @@ class RemoteRoles:
         finally:
             for rid in asked:
                 self._stats_waiting.pop(rid, None)
-        out: dict[str, dict[str, int]] = {}
-        for name, fut in asked.values():
-            if fut.done():
-                body = fut.result()
-                out[name] = {**body["plane"], "pid": body["pid"]}
-        return out
+        return {name: fut.result() for name, fut in asked.values() if fut.done()}

@@ -196,6 +196,9 @@ class Worker:
         self._fw: dict[_Key, _Fw] = {}
         #: Address -> connection to the worker there (fast-path forwards).
         self._links: dict[str, _Link] = {}
+        #: Addresses of workers a front said are lost (``SourceLost``): nothing is forwarded
+        #: there (the front runs those runs the slow way) until a front's run routes there again.
+        self._gone: set[str] = set()
         #: The bound endpoint (sends to fronts go straight out when nothing waits before them).
         self._endpoint: Any = None
         #: The writer holds a message it has not sent yet.
@@ -483,7 +486,11 @@ class Worker:
 
     def _handle(self, peer: bytes | None, msg: Message) -> None:
         match msg:
-            case Run():
+            case Run(fw=fw):
+                if fw and self._gone:  # a front that sends this routes there: it is back
+                    self._gone.difference_update(
+                        r[3] for r in fw if type(r) is list and len(r) > 3 and type(r[3]) is str
+                    )
                 self._start(peer, _run_body(msg))
             case Forward(ft=ft, rid=rid):
                 front = self._front_peers.get(ft)
@@ -548,10 +555,17 @@ class Worker:
                         os.getpid(),
                         self.plane.statistics(),
                         self.wire.snapshot(),
+                        {
+                            "running": len(self._running),
+                            "forwarding": len(self._fw),
+                            "links": len(self._links),
+                            "link_queued": sum(link.out.qsize() for link in self._links.values()),
+                        },
                     ),
                 )
             case SourceLost(addr=addr, pid=pid):
                 self._puller.lost(addr, pid)
+                self._link_lost(addr)
             case CloseSession(s=session):
                 self._session_params.pop(session, None)
                 for pool in self._pools.values():
@@ -742,7 +756,7 @@ class Worker:
         x = None
         for r, route in enumerate(fw.routes):
             f = route.field
-            if f not in frame:
+            if f not in frame or route.address in self._gone:
                 continue
             value = frame[f]
             if refs_in(value):
@@ -780,6 +794,16 @@ class Worker:
         link.out.put_nowait(frames)
         if link.writer is None:
             link.writer = asyncio.get_running_loop().create_task(self._link_write(link))
+
+    def _link_lost(self, address: str) -> None:
+        """The worker at ``address`` is lost: forward nothing more there, and drop what waits
+        for it (its link would hold it forever: nothing listens there any more)."""
+        self._gone.add(address)
+        link = self._links.pop(address, None)
+        if link is not None:
+            if link.writer is not None:
+                link.writer.cancel()
+            link.endpoint.close()
 
     async def _link_write(self, link: _Link) -> None:
         """Send what queued for a link, in order; done when the queue is empty."""

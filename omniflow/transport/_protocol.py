@@ -6,7 +6,7 @@
             off, th, conn, fw)                 Frames (c, a, fs, xs)       (several, in order)
     Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
     Release (refs)   EndCall (c)               Heartbeat ()                (every interval)
-    SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire)
+    SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work)
     StatsRequest (r)   CloseSession (s)
     Stop ()                                    Bye ()  (leaving; repeated while it drains)
     Bye ()     (answer to the worker's bye)        MetaCall (r, op, args)     (front-hosted
@@ -208,6 +208,9 @@ class StatsReply(NamedTuple):
     pid: int
     plane: dict[str, int]
     wire: dict[str, int]
+    #: What the worker holds now: activations ``running``, runs with fast-path routes
+    #: (``forwarding``), forward ``links`` and messages queued on them (``link_queued``).
+    work: dict[str, int] | None = None
 
 
 class CloseSession(NamedTuple):
@@ -317,7 +320,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     EndCall: ("end_call", ((str,),)),
     SourceLost: ("source_lost", ((str,), (int,))),
     StatsRequest: ("stats", ((int,),)),
-    StatsReply: ("stats_reply", ((int,), (str,), (int,), (dict,), (dict,))),
+    StatsReply: ("stats_reply", ((int,), (str,), (int,), (dict,), (dict,), (dict, _N))),
     CloseSession: ("close_session", ((str,),)),
     Stop: ("stop", ()),
     Bye: ("bye", ()),
