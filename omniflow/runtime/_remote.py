@@ -217,6 +217,9 @@ class RemoteRoles:
         #: call id -> wire id -> replica of forwarded runs the core did not make (cancelled;
         #: what they send is dropped) until their done.
         self._orphans: dict[str, dict[str, Replica]] = {}
+        #: call id -> activations with routes that ended with their replica lost: frames of
+        #: theirs may never arrive, so a run they forwarded that turns up later is an orphan.
+        self._cut: dict[str, set[Wid]] = {}
         #: Fast-path counts: runs bound to a forwarded run, and orphans.
         self.forwarded = 0
         self.orphaned = 0
@@ -389,11 +392,10 @@ class RemoteRoles:
         """A forwarded run the core did not make: cancel it (unless it is ``done``) and drop
         what it sends until its done."""
         self.orphaned += 1
-        if done:
+        if done or not rep.alive:  # (a lost replica sends nothing more)
             return
         self._orphans.setdefault(c, {})[wid] = rep
-        if rep.alive:
-            rep.out.put_nowait(encode_msg(Cancel(c, wid)))
+        rep.out.put_nowait(encode_msg(Cancel(c, wid)))
 
     def _send_run(self, key: Key, frames: Any, targets: list[Replica]) -> None:
         if self._pending[key].core.c.plan.params or self.track_calls:
@@ -479,6 +481,7 @@ class RemoteRoles:
             for wid, (rep, msgs) in waiting.early.items():
                 self._drop_early(rep, call_id, wid, msgs)
         self._orphans.pop(call_id, None)  # (what they send later is dropped all the same)
+        self._cut.pop(call_id, None)
         reps = self._call_replicas.pop(call_id, None)
         if reps:
             frames = encode_msg(EndCall(call_id))
@@ -602,12 +605,15 @@ class RemoteRoles:
         frame handled, so each run it forwarded is bound or orphaned). An ancestor still
         waiting for its own binding decides nothing: look further up."""
         orphans = self._orphans.get(c, {})
+        cut = self._cut.get(c, ())
         while type(wid) is str:
             if wid in orphans:
                 return True
             wid = parent_of(wid)
             if (c, wid) in self._pending:
                 return False
+            if wid in cut:
+                return True
         return True
 
     def _drop(self, c: str, wid: str, msg: Message) -> None:
@@ -765,6 +771,8 @@ class RemoteRoles:
             p = self._pending.get(key)
             if p is None:
                 continue
+            if p.routes:
+                self._cut.setdefault(key[0], set()).add(key[1])
             if p.error is None:
                 p.error = NodeError(
                     p.act.node,
@@ -784,6 +792,7 @@ class RemoteRoles:
             "forwarded": self.forwarded,
             "orphaned": self.orphaned,
             "forward_waiting": sum(len(e) for e in self._early.values())
+            + sum(len(c) for c in self._cut.values())
             + sum(len(o) for o in self._orphans.values()),
         }
 

@@ -24,6 +24,7 @@ from omniflow.runtime._forward import (
     FAST_PATH_ENV,
     Hop,
     Route,
+    Waiting,
     fast_path_enabled,
     hops,
     parent_of,
@@ -290,3 +291,77 @@ async def test_cancelling_a_stream_leaves_nothing_behind(
     await call.cancel()
     assert call.status == "cancelled"
     await idle(rt)
+
+
+# ---------------------------------------------------------------- unbound runs, by parent
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 40)),
+        st.tuples(st.just("take"), st.integers(0, 40)),
+        st.tuples(st.just("end"), st.integers(0, 40)),
+        st.tuples(st.just("lost"), st.integers(0, 2)),
+    ),
+    max_size=60,
+)
+
+
+def _tree_wid(i: int) -> str:
+    """Wire id number ``i`` of a small forwarding tree under front run 7 (parents first)."""
+    if i < 4:
+        return wire_id(7, i, 0)
+    return wire_id(_tree_wid(i // 4 - 1), i % 4, 1)
+
+
+@given(ops=_OPS)
+def test_waiting_keeps_its_index_whatever_happens(ops: list[tuple[Any, ...]]) -> None:
+    """A model of ``Waiting``: what was added and not taken, orphaned or lost is still there,
+    messages in arrival order, and the parent index lists exactly those."""
+    w = Waiting()
+    model: dict[str, tuple[int, list[int]]] = {}
+    n = 0
+    for op in ops:
+        if op[0] == "add":
+            _, rep, i = op
+            wid = _tree_wid(i)
+            if wid in model and model[wid][0] != rep:
+                continue  # one run has one replica
+            w.add(rep, wid, n)
+            model.setdefault(wid, (rep, []))[1].append(n)
+            n += 1
+        elif op[0] == "take":
+            wid = _tree_wid(op[1])
+            got = w.take(wid)
+            want = model.pop(wid, None)
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                assert (got[0], got[1]) == want
+        elif op[0] == "end":
+            parent: int | str = 7 if op[1] == 0 else _tree_wid(op[1])
+            taken = {wid for wid, _r, _m in w.orphans_of(parent)}
+
+            def below(wid: str) -> bool:
+                p: int | str = wid
+                while type(p) is str:
+                    p = parent_of(p)
+                    if p == parent:
+                        return True
+                    if p not in model and type(p) is str:
+                        return False  # an unbound link breaks the chain in the index
+                return False
+
+            # every waiting child of the parent goes, and with it its waiting descendants
+            expected = {wid for wid in model if below(wid)}
+            assert taken == expected
+            for wid in taken:
+                del model[wid]
+        else:
+            w.drop_replica(op[1])
+            for wid in [k for k, (r, _) in model.items() if r == op[1]]:
+                del model[wid]
+        assert {k: (r, list(m)) for k, (r, m) in w.early.items()} == model
+        index: dict[int | str, set[str]] = {}
+        for wid in model:
+            index.setdefault(parent_of(wid), set()).add(wid)
+        assert w.kids == index
+        assert len(w) == len(model)
