@@ -340,7 +340,7 @@ def test_waiting_keeps_its_index_whatever_happens(ops: list[tuple[Any, ...]]) ->
             parent: int | str = 7 if op[1] == 0 else _tree_wid(op[1])
             taken = {wid for wid, _r, _m in w.orphans_of(parent)}
 
-            def below(wid: str) -> bool:
+            def below(wid: str, parent: int | str = parent) -> bool:
                 p: int | str = wid
                 while type(p) is str:
                     p = parent_of(p)
