@@ -40,8 +40,9 @@ class ActivationContext:
     params: dict[str, Any]
     #: Position of the activation's input in its originating stream.
     seq: int
-    #: Activation id, unique within the call.
-    aid: int
+    #: Activation id, unique within the call: the front's int, or, for a run one worker
+    #: started on another (the cross-process fast path), its wire id (a str).
+    aid: int | str
     #: The graph's Params Pools by name (``omniflow.ParamsPool``); pages allocated with
     #: ``owner=call_id`` are released by the runtime when the call ends.
     pools: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
