@@ -105,9 +105,7 @@ _COUNT = struct.Struct("<I")
 _ONE = struct.Struct("<IQ")
 _MSG_NOSIGNAL: Final = getattr(_socket, "MSG_NOSIGNAL", 0)
 _SOCK_FLAGS: Final = (
-    _socket.SOCK_STREAM
-    | getattr(_socket, "SOCK_NONBLOCK", 0)
-    | getattr(_socket, "SOCK_CLOEXEC", 0)
+    _socket.SOCK_STREAM | getattr(_socket, "SOCK_NONBLOCK", 0) | getattr(_socket, "SOCK_CLOEXEC", 0)
 )
 
 
@@ -265,8 +263,10 @@ class _Outbox:
     def validate(self) -> None:
         assert self.head_sent == 0 or (self.queue and self.head_sent < self.queue[0][1])
         assert len(self.queue) <= self.hwm
-        assert not self.blocked or len(self.queue) == self.hwm or all(
-            f.done() for _m, f in self.blocked
+        assert (
+            not self.blocked
+            or len(self.queue) == self.hwm
+            or all(f.done() for _m, f in self.blocked)
         )
 
 
