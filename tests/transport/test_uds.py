@@ -185,6 +185,30 @@ async def test_a_64_mib_frame_each_way(sock_dir: Path) -> None:
         assert hashlib.sha256(back).digest() == digest
 
 
+async def test_big_frame_buffers_are_reused_only_once_released(sock_dir: Path) -> None:
+    blobs = [bytes([i]) * (3 << 20) for i in range(6)]
+    async with bind(f"uds://{sock_dir}/w.sock") as worker, connect(worker.url) as front:
+        held = []
+        for blob in blobs[:3]:  # held: their buffers must not be written again
+            await front.send([blob])
+            held.append((await worker.recv()).frames[0])
+        for blob in blobs[3:]:  # dropped at once: their buffers may be reused
+            await front.send([blob])
+            (frame,) = (await worker.recv()).frames
+            assert frame == blob
+            del frame
+        assert [bytes(f) for f in held] == blobs[:3]
+        addresses = set()
+        for blob in blobs:
+            await front.send([blob])
+            (frame,) = (await worker.recv()).frames
+            assert frame == blob
+            addresses.add(id(memoryview(frame).obj))
+            del frame
+        assert len(addresses) == 1  # one slab served them all
+        assert [bytes(f) for f in held] == blobs[:3]
+
+
 async def test_a_burst_of_small_messages_arrives_in_few_batches_in_order(
     sock_dir: Path,
 ) -> None:
