@@ -11,7 +11,7 @@
 {'op': 'ping'}
 
 ``_codec`` (msgpack envelope, zero-copy buffers) → ``_base`` (Endpoint, scheme registry) →
-``_inproc`` / ``_zmq`` / ``_uds`` (the transports; ``_fastpath`` picks ``uds://`` or ``ipc://``
+``_inproc`` / ``_zmq`` / ``_uds`` + ``_udswire`` (the transports; ``_fastpath`` picks ``uds://`` or ``ipc://``
 for same-node endpoints) → ``_loop`` (messages and the receive loop).
 This layer imports nothing above it (no runtime, no registry).
 """

@@ -28,7 +28,7 @@ from omniflow.transport import (
     is_local,
     local_url,
 )
-from omniflow.transport._uds import HANDSHAKE, MAX_FRAME_BYTES, MAX_FRAMES
+from omniflow.transport._udswire import HANDSHAKE, MAX_FRAME_BYTES, MAX_FRAMES
 
 
 @pytest.fixture
