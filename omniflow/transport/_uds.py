@@ -49,6 +49,7 @@ import os
 import secrets
 import socket as _socket
 import uuid
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from typing import Final
@@ -118,9 +119,11 @@ class _UdsEndpoint(Endpoint):
             self._attached(loop)
         return loop
 
+    @abstractmethod
     def _attached(self, loop: asyncio.AbstractEventLoop) -> None:
         """Register our sockets with ``loop`` (first use, or a new loop)."""
 
+    @abstractmethod
     def _detach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Unregister our sockets from ``loop``."""
 
@@ -152,11 +155,13 @@ class _UdsEndpoint(Endpoint):
         if broken is not None and not conn.closed and self.state is EndpointState.OPEN:
             self._lost(conn, broken)
 
+    @abstractmethod
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
-        raise NotImplementedError
+        """``messages`` came in on ``conn``: put them in the inbox (after the handshake)."""
 
+    @abstractmethod
     def _lost(self, conn: Conn, reason: str) -> None:
-        raise NotImplementedError
+        """``conn`` broke (EOF, an error, a bad header): drop it, or reconnect."""
 
     # ------------------------------------------------------------ writing
 
