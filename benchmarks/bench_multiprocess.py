@@ -6,7 +6,9 @@
     .venv/bin/python benchmarks/bench_multiprocess.py --only hop --only chain   # a subset
 
 1. **hop**: a 1-node graph (``x -> hop.run -> y``), ``await rt.run`` one call at a time, with
-   ``placement="process"`` (the role in a worker) and in-process; hop = the difference. Against
+   ``placement="process"`` (the role in a worker) and in-process; hop = the difference. The
+   worker is reached over ``uds://`` (``OMNIFLOW_FAST_PATH=1``, the default) and, in a second
+   runtime of the same run, over pyzmq ``ipc://`` (``OMNIFLOW_FAST_PATH=0``). Against
    a raw pyzmq DEALER/ROUTER ping-pong over ``ipc://`` with an echo process, blocking and
    ``zmq.asyncio`` clients, same run, rounds interleaved so load bursts hit all alike.
 2. **stream**: ``src.gen`` (async generator, 10,000 frames) -> ``m1.step`` -> ``m2.step`` ->
@@ -14,9 +16,9 @@
    every frame crosses a process boundary 3 times). Frames/s seen by the caller; the
    in-process figure for scale. Then a cProfile of the front process for one stream.
 3. **chain**: a 3-node chain (``x -> c1 -> c2 -> c3 -> y``), each role in its own worker, one
-   call at a time, against a Ray Compiled Graph of 3 actors doing the same in the same run (when
-   ``ray`` is installed); then the idle CPU of each side (front/driver + 3 processes) over
-   ``--idle`` seconds (default 10).
+   call at a time, over ``uds://`` and (a second runtime) pyzmq ``ipc://``, against a Ray
+   Compiled Graph of 3 actors doing the same in the same run (when ``ray`` is installed); then
+   the idle CPU of each side (front/driver + 3 processes) over ``--idle`` seconds (default 10).
 4. **replicas**: a CPU-bound role (a pure-Python loop of ~5 ms) with
    ``Deploy({"cpu": {"replicas": n}})``, n = 1, 2, 4, 200 concurrent calls: calls/s.
 
@@ -220,6 +222,14 @@ class RawEcho:
         os.rmdir(self.dir)
 
 
+def in_workers(g: of.Graph, fast_path: bool) -> of.Runtime:
+    """``placement="process"``, its workers reached over ``uds://`` (``fast_path``) or pyzmq
+    ``ipc://``: the launcher reads ``OMNIFLOW_FAST_PATH`` when the runtime starts, which
+    ``async with`` does right after this returns."""
+    os.environ["OMNIFLOW_FAST_PATH"] = "1" if fast_path else "0"
+    return of.Runtime(g, placement="process")
+
+
 async def calls(rt: of.Runtime, graph: str, inputs: dict[str, Any], n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -235,15 +245,23 @@ async def calls(rt: of.Runtime, graph: str, inputs: dict[str, Any], n: int) -> l
 async def bench_hop(graphs: dict[str, of.Graph], rounds: int, per_round: int) -> dict[str, Any]:
     g = graphs["bm_hop"]
     echo = RawEcho()
-    lat: dict[str, list[float]] = {"inproc": [], "process": [], "sync": [], "async": []}
-    async with of.Runtime(g) as inproc, of.Runtime(g, placement="process") as proc:
+    lat: dict[str, list[float]] = {
+        "inproc": [], "process": [], "process_ipc": [], "sync": [], "async": []
+    }  # fmt: skip
+    async with (
+        of.Runtime(g) as inproc,
+        in_workers(g, fast_path=False) as proc_ipc,
+        in_workers(g, fast_path=True) as proc,
+    ):
         await calls(inproc, "bm_hop", {"x": 1}, 300)
         await calls(proc, "bm_hop", {"x": 1}, 300)
+        await calls(proc_ipc, "bm_hop", {"x": 1}, 300)
         echo.round_sync(300)
         await echo.round_async(300)
         for _ in range(rounds):
             lat["inproc"] += await calls(inproc, "bm_hop", {"x": 1}, per_round)
             lat["process"] += await calls(proc, "bm_hop", {"x": 1}, per_round)
+            lat["process_ipc"] += await calls(proc_ipc, "bm_hop", {"x": 1}, per_round)
             lat["sync"] += echo.round_sync(per_round)
             lat["async"] += await echo.round_async(per_round)
     echo.close()
@@ -337,7 +355,7 @@ async def bench_chain(
     a time, against a Ray Compiled Graph of 3 actors doing the same (``c3(c2(c1(x)))``), rounds
     interleaved; then each side's idle CPU (front/driver + its 3 processes) over ``idle`` s."""
     g = graphs["bm_chain3"]
-    res: dict[str, Any] = {"omniflow": [], "ray_cg": []}
+    res: dict[str, Any] = {"omniflow": [], "omniflow_ipc": [], "ray_cg": []}
     compiled = actors = None
     ray = None
     if with_ray:
@@ -351,15 +369,17 @@ async def bench_chain(
             dag = actors[2].run.bind(actors[1].run.bind(actors[0].run.bind(inp)))
         compiled = dag.experimental_compile()
     try:
-        async with of.Runtime(g, placement="process") as rt:
+        async with in_workers(g, fast_path=False) as rt_ipc, in_workers(g, True) as rt:
             assert rt.remote is not None
             for i in range(300):
                 assert (await rt.run("bm_chain3", {"x": i}))["y"] == [i + 3]
+                assert (await rt_ipc.run("bm_chain3", {"x": i}))["y"] == [i + 3]
             if compiled is not None:
                 for i in range(300):
                     assert ray.get(compiled.execute(i)) == i + 3
             for _ in range(rounds):
                 res["omniflow"] += await calls(rt, "bm_chain3", {"x": 1}, per_round)
+                res["omniflow_ipc"] += await calls(rt_ipc, "bm_chain3", {"x": 1}, per_round)
                 if compiled is not None:
                     out = res["ray_cg"]
                     for i in range(per_round):
@@ -396,8 +416,11 @@ async def report_chain(graphs: dict[str, of.Graph], rounds: int, per_round: int,
     print("| path | p50 | p99 | idle CPU, % of a core |")
     print("|---|---:|---:|---:|")
     o = res["omniflow"]
-    print(f"| omniflow, 3 workers (`placement=\"process\"`) | {us(pct(o, 0.5))} | "
+    print(f"| omniflow, 3 workers (`placement=\"process\"`), uds:// | {us(pct(o, 0.5))} | "
           f"{us(pct(o, 0.99))} | {res['idle_omniflow']:.1f} |")  # fmt: skip
+    z = res["omniflow_ipc"]
+    print(f"| omniflow, 3 workers, ipc:// (`OMNIFLOW_FAST_PATH=0`) | {us(pct(z, 0.5))} | "
+          f"{us(pct(z, 0.99))} | |")  # fmt: skip
     if res["ray_cg"]:
         r = res["ray_cg"]
         print(f"| Ray Compiled Graph, 3 actors | {us(pct(r, 0.5))} | {us(pct(r, 0.99))} | "
@@ -487,15 +510,19 @@ async def report_hop(graphs: dict[str, of.Graph], rounds: int, per_round: int) -
     lat = await bench_hop(graphs, rounds, per_round)
     hop50 = pct(lat["process"], 0.5) - pct(lat["inproc"], 0.5)
     hop99 = pct(lat["process"], 0.99) - pct(lat["inproc"], 0.99)
+    ipc50 = pct(lat["process_ipc"], 0.5) - pct(lat["inproc"], 0.5)
+    ipc99 = pct(lat["process_ipc"], 0.99) - pct(lat["inproc"], 0.99)
     print(f"\n### 1. Cross-process hop ({len(lat['process'])} calls each, µs p50 / p99)\n")
     print("| | p50 | p99 |")
     print("|---|---:|---:|")
     for name, label in (
         ("inproc", "1-node call, in-process"),
-        ("process", "1-node call, role in a worker"),
+        ("process", "1-node call, role in a worker, uds:// (fast path on)"),
+        ("process_ipc", "1-node call, role in a worker, ipc:// (OMNIFLOW_FAST_PATH=0)"),
     ):
         print(f"| {label} | {us(pct(lat[name], 0.5))} | {us(pct(lat[name], 0.99))} |")
-    print(f"| **omniflow hop** (worker - in-process) | **{us(hop50)}** | **{us(hop99)}** |")
+    print(f"| **omniflow hop, uds://** (worker - in-process) | **{us(hop50)}** | **{us(hop99)}** |")
+    print(f"| omniflow hop, ipc:// (worker - in-process) | {us(ipc50)} | {us(ipc99)} |")
     for name, label in (("sync", "raw pyzmq, blocking"), ("async", "raw pyzmq, zmq.asyncio")):
         print(f"| {label} ping-pong | {us(pct(lat[name], 0.5))} | {us(pct(lat[name], 0.99))} |")
     for name, label in (("sync", "blocking"), ("async", "zmq.asyncio")):

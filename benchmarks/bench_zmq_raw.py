@@ -1,4 +1,4 @@
-"""Ping-pong round trips over ``ipc://`` between two processes: raw pyzmq vs omniflow's transport.
+"""Ping-pong round trips between two processes: raw pyzmq vs omniflow's ipc:// and uds:// endpoints.
 
     .venv/bin/python benchmarks/bench_zmq_raw.py [--scale 1.0] [--sizes 100,1000,65536,1048576]
 
@@ -6,10 +6,12 @@ Three ways, each with its own echo process:
 
 * ``raw sync``: blocking pyzmq DEALER → ROUTER, the payload as one frame, ``copy=False``.
 * ``raw asyncio``: the same with ``zmq.asyncio`` on both sides (what omniflow runs on).
-* ``omniflow``: ``transport.connect``/``bind`` + codec: the client sends
-  ``{"op": "ping", "seq": i, "data": <payload bytes>}``, the echo process decodes it in a
+* ``omniflow``: ``transport.connect``/``bind`` + codec over ``ipc://`` (pyzmq): the client
+  sends ``{"op": "ping", "seq": i, "data": <payload bytes>}``, the echo process decodes it in a
   ``ReceiveLoop`` and answers ``{"op": "pong", "seq": i, "data": <the received payload>}``
   (payloads of 64 KiB and more travel out of band, zero-copy on both ends).
+* ``omniflow uds``: the same over ``uds://`` (``transport/_uds.py``: plain Unix-domain sockets
+  on the event loop, the same-node fast path that ``OMNIFLOW_FAST_PATH`` turns on).
 
 Prints a Markdown table of p50/p99 round-trip times in µs and the omniflow/raw ratios.
 """
@@ -170,12 +172,14 @@ MODES: dict[str, tuple[Callable[[str], None], Callable[[str, int, int], list[flo
     "raw sync": (echo_raw, client_raw),
     "raw asyncio": (echo_raw_asyncio, client_raw_asyncio),
     "omniflow": (echo_omniflow, client_omniflow),
+    "omniflow uds": (echo_omniflow, client_omniflow),
 }
 
 
 def measure(mode: str, size: int, n: int, tmp: str) -> tuple[float, float]:
     echo, client = MODES[mode]
-    url = f"ipc://{tmp}/{mode.replace(' ', '-')}-{size}.sock"
+    scheme = "uds" if mode.endswith("uds") else "ipc"
+    url = f"{scheme}://{tmp}/{mode.replace(' ', '-')}-{size}.sock"
     proc = mp.get_context("spawn").Process(target=echo, args=(url,), daemon=True)
     proc.start()
     try:
@@ -218,16 +222,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} CPUs; round trip in µs, p50 / p99\n"
     )
     print(
-        "| payload | n | raw sync | raw asyncio | omniflow | p50 ratio vs sync | "
-        "p50 ratio vs asyncio |"
+        "| payload | n | raw sync | raw asyncio | omniflow ipc | omniflow uds | ipc p50 vs "
+        "sync | ipc p50 vs asyncio | uds p50 vs ipc |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         sync, aio, of = row["raw sync"], row["raw asyncio"], row["omniflow"]
+        uds = row["omniflow uds"]
         print(
             f"| {human(row['size'])} | {row['n']} | {sync[0]:.0f} / {sync[1]:.0f} | "
             f"{aio[0]:.0f} / {aio[1]:.0f} | {of[0]:.0f} / {of[1]:.0f} | "
-            f"{of[0] / sync[0]:.2f}x | {of[0] / aio[0]:.2f}x |"
+            f"{uds[0]:.0f} / {uds[1]:.0f} | {of[0] / sync[0]:.2f}x | {of[0] / aio[0]:.2f}x | "
+            f"{uds[0] / of[0]:.2f}x |"
         )
 
 

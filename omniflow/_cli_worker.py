@@ -5,7 +5,8 @@
 With a registry the worker binds a free TCP port on ``--host`` (or ``--bind URL``), registers
 each role under a heartbeat, and any front process routing that role starts sending it work:
 this is how a replica is added by hand. The front's ``placement="process"`` spawns workers the
-same way, with ``--bind ipc://...`` and ``--replica-id``.
+same way, with ``--bind uds:///<dir>/wN.sock`` (plain Unix-domain sockets, the same-node fast
+path; ``ipc://...`` over pyzmq when ``OMNIFLOW_FAST_PATH=0``) and ``--replica-id``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument(
         "--role", action="append", required=True, help="role to host (repeat for several)"
     )
-    p.add_argument("--bind", default=None, help="address to bind (default tcp://HOST:0)")
+    p.add_argument(
+        "--bind",
+        default=None,
+        help="address to bind: tcp://HOST:PORT, uds:///abs/path.sock (same-node fronts, "
+        "fastest) or ipc:///abs/path.sock (default tcp://HOST:0)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="host for the default tcp address")
     p.add_argument("--registry", default=None, help="service registry URL (redis://host:port/db)")
     p.add_argument("--replica-id", default=None, help="unique replica id (default role-pid)")

@@ -3,7 +3,7 @@
 >>> launcher = SubprocessLauncher()                          # doctest: +SKIP
 >>> handle = await launcher.start(spec)                      # doctest: +SKIP
 >>> handle.address, handle.pid                               # doctest: +SKIP
-('ipc:///tmp/omniflow-x/w0.sock', 4242)
+('uds:///tmp/omniflow-x/w0.sock', 4242)
 
 ``RemoteRoles`` (``_remote``) asks a :class:`Launcher` to start one replica per slot of each
 process group and then talks to it only over the authenticated wire, at ``handle.address``.
@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from omniflow.transport._auth import KEY_ENV
+from omniflow.transport._fastpath import local_url
 
 __all__ = ["LaunchSpec", "Launcher", "ReplicaHandle", "SubprocessHandle", "SubprocessLauncher"]
 
@@ -59,7 +60,7 @@ class LaunchSpec:
 class ReplicaHandle(ABC):
     """A started replica: where to connect, whether it runs, how it ended."""
 
-    #: Where the replica's worker binds (``ipc://``, ``tcp://``).
+    #: Where the replica's worker binds (``uds://``, ``ipc://``, ``tcp://``).
     address: str
 
     @property
@@ -145,10 +146,11 @@ class SubprocessHandle(ReplicaHandle):
 
 class SubprocessLauncher(Launcher):
     """``python -m omniflow worker`` as a child process, bound to a socket in the front's
-    private directory."""
+    private directory: ``uds://`` (the same-node fast path), or ``ipc://`` when
+    ``OMNIFLOW_FAST_PATH=0``."""
 
     async def start(self, spec: LaunchSpec) -> SubprocessHandle:
-        address = f"ipc://{spec.workdir}/w{spec.index}.sock"
+        address = local_url(f"{spec.workdir}/w{spec.index}.sock")
         err_file = os.path.join(spec.workdir, f"{spec.replica_id}.err")
         cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
         for role in spec.roles:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import OmniflowError
 from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle
+from omniflow.transport._fastpath import FAST_PATH_ENV, fast_path_enabled
 
 if TYPE_CHECKING:
     from omniflow.data._plane import DataPlane
@@ -243,7 +244,9 @@ class RayLauncher(Launcher):
             env_fut = self._bundle_env[env_key] = asyncio.get_running_loop().create_future()
         actor = self.actors.get((role_name, slot))
         if actor is None:
-            env: dict[str, str] = {}
+            # The actor picks uds:// or ipc:// on the front's node by the front's setting
+            # (an actor's environment is Ray's, not the front's).
+            env = {FAST_PATH_ENV: "1" if fast_path_enabled() else "0"}
             if role.layer:
                 cuda = await asyncio.shield(env_fut)  # the layer-0 replica of this bundle
                 if cuda is not None:

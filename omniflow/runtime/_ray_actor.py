@@ -2,7 +2,8 @@
 
 The front (``_ray.RayLauncher``) creates one ``ReplicaHost`` actor per replica and calls
 ``start``: the actor names its node for the data plane (the Ray node id), binds the worker's
-ROUTER endpoint (``ipc://`` on the front's node, ``tcp://<node ip>:0`` elsewhere) and runs
+ROUTER endpoint (``uds://`` on the front's node, ``ipc://`` there when the front runs with
+``OMNIFLOW_FAST_PATH=0``, ``tcp://<node ip>:0`` elsewhere) and runs
 ``Worker.run`` in a thread of its own, with its own event loop, so Ray's calls into the actor
 (``wait``) never queue behind the worker's work. From there the front talks to it over ZMQ
 exactly as to a spawned worker: same protocol, same authentication, same data plane, and the
@@ -79,6 +80,7 @@ class ReplicaHost:
         from omniflow.data import _plane
         from omniflow.data.kv import _shell as kv_shell
         from omniflow.runtime._worker import Worker
+        from omniflow.transport._fastpath import local_url
 
         old = self._thread
         if old is not None and old.is_alive():
@@ -98,7 +100,7 @@ class ReplicaHost:
         _plane.set_node_id(node)
         kv_shell.HOST = node  # the Params Pool's node records (data/kv/_shell.py)
         if node == front_node:
-            address = f"ipc://{ipc_dir}/{replica_id}.sock"
+            address = local_url(f"{ipc_dir}/{replica_id}.sock")
         else:
             ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
             address = f"tcp://{ip}:0"

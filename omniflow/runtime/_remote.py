@@ -65,6 +65,7 @@ from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import ReplicaState
 from omniflow.transport._auth import resolve_key
+from omniflow.transport._fastpath import is_local
 from omniflow.transport._protocol import (
     Cancel,
     CloseSession,
@@ -300,7 +301,7 @@ class RemoteRoles:
         if (
             plane is not None
             and any(plane.is_big(v) for v in kwargs.values())
-            and all(r.address.startswith("ipc://") for r in (targets or live))
+            and all(is_local(r.address) for r in (targets or live))
         ):
             kwargs = self._offload_inputs(key, act.node, kwargs)
         off = self._offload.get((call.graph, act.node)) or None

@@ -11,7 +11,8 @@
 {'op': 'ping'}
 
 ``_codec`` (msgpack envelope, zero-copy buffers) → ``_base`` (Endpoint, scheme registry) →
-``_inproc`` / ``_zmq`` (the transports) → ``_loop`` (messages and the receive loop).
+``_inproc`` / ``_zmq`` / ``_uds`` + ``_udswire`` (the transports; ``_fastpath`` picks ``uds://`` or ``ipc://``
+for same-node endpoints) → ``_loop`` (messages and the receive loop).
 This layer imports nothing above it (no runtime, no registry).
 """
 
@@ -37,11 +38,14 @@ from omniflow.transport._codec import (
     decode_message,
     encode,
 )
+from omniflow.transport._fastpath import FAST_PATH_ENV, fast_path_enabled, is_local, local_url
 from omniflow.transport._inproc import InprocTransport
 from omniflow.transport._loop import Handler, ReceiveLoop, recv_message, send_message
+from omniflow.transport._uds import UdsTransport
 from omniflow.transport._zmq import ZmqTransport
 
 __all__ = [
+    "FAST_PATH_ENV",
     "OOB_THRESHOLD",
     "VERSION",
     "Buffer",
@@ -55,12 +59,16 @@ __all__ = [
     "ReceiveLoop",
     "Transport",
     "TransportError",
+    "UdsTransport",
     "ZmqTransport",
     "bind",
     "connect",
     "decode",
     "decode_message",
     "encode",
+    "fast_path_enabled",
+    "is_local",
+    "local_url",
     "recv_message",
     "register_transport",
     "send_message",

@@ -20,7 +20,8 @@ are sent without copying, so a buffer handed to ``send`` must not be written to 
 
 Schemes: ``inproc://name`` (asyncio queues: a whole multi-process topology inside one process),
 ``ipc://path`` and ``tcp://host:port`` (pyzmq, ``tcp://host:0`` picks a free port; read the
-real address from ``endpoint.url``). :func:`register_transport` adds more.
+real address from ``endpoint.url``), ``uds:///abs/path`` (plain Unix-domain sockets on the event
+loop: the same-node fast path). :func:`register_transport` adds more.
 """
 
 from __future__ import annotations

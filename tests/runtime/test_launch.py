@@ -126,3 +126,20 @@ async def test_stop_waits_then_kills(code: int | None) -> None:
     await TaskLauncher().stop(handle, 0.05)
     assert handle.task.done()
     assert handle.returncode == (-9 if code is None else 0)
+
+
+@pytest.mark.parametrize(("flag", "scheme"), [(None, "uds"), ("1", "uds"), ("0", "ipc")])
+async def test_spawned_workers_bind_uds_unless_the_fast_path_is_off(
+    monkeypatch: pytest.MonkeyPatch, flag: str | None, scheme: str
+) -> None:
+    """``OMNIFLOW_FAST_PATH`` picks the same-node wire: plain Unix sockets (default) or pyzmq
+    ``ipc://``; the worker inherits the setting, and a call works either way."""
+    if flag is None:
+        monkeypatch.delenv("OMNIFLOW_FAST_PATH", raising=False)
+    else:
+        monkeypatch.setenv("OMNIFLOW_FAST_PATH", flag)
+    async with of.Runtime(mp.scale, placement=of.Deploy({"r": {}}), validate=True) as rt:
+        assert rt.remote is not None
+        [rep] = rt.remote.fleet.replicas.values()
+        assert rep.address.startswith(f"{scheme}:///") and rep.address.endswith(".sock")
+        assert (await rt.run("mp_scale", {"x": 7}))["y"] == [7]

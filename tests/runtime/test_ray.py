@@ -376,7 +376,7 @@ async def test_a_second_start_replaces_the_worker_an_actor_runs(
     from omniflow.runtime._ray_actor import ReplicaHost, Secret
 
     ray = ray_local
-    actor = ray.remote(ReplicaHost).options(max_concurrency=4).remote({})
+    actor = ray.remote(ReplicaHost).options(max_concurrency=4).remote({"OMNIFLOW_FAST_PATH": "1"})
     node = ray.get_runtime_context().get_node_id()
     module = rg.gpu.module
     assert module is not None
@@ -385,7 +385,7 @@ async def test_a_second_start_replaces_the_worker_an_actor_runs(
         first = await actor.start.remote([module], ["gpu_llm"], "a-0", *args)
         second = await actor.start.remote([module], ["gpu_llm"], "a-1", *args)
         assert first["pid"] == second["pid"] and first["address"] != second["address"]
-        assert first["address"] == f"ipc://{tmp_path}/a-0.sock" and first["node"] == node
+        assert first["address"] == f"uds://{tmp_path}/a-0.sock" and first["node"] == node
         assert not (tmp_path / "a-0.sock").exists()  # the first worker left
         assert (tmp_path / "a-1.sock").exists()
     finally:

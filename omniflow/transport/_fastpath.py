@@ -1,0 +1,56 @@
+"""Which transport carries same-node traffic: the ``OMNIFLOW_FAST_PATH`` switch, read here only.
+
+>>> import os
+>>> os.environ["OMNIFLOW_FAST_PATH"] = "0"
+>>> fast_path_enabled(), local_url("/run/of/w0.sock")
+(False, 'ipc:///run/of/w0.sock')
+>>> del os.environ["OMNIFLOW_FAST_PATH"]
+>>> fast_path_enabled(), local_url("/run/of/w0.sock"), is_local("uds:///run/of/w0.sock")
+(True, 'uds:///run/of/w0.sock', True)
+
+On (the default): endpoints whose two ends share this node are ``uds://`` (``_uds``, plain
+Unix-domain sockets driven by the event loop). Off (``0``, ``false``, ``off``, ``no``): they are
+``ipc://`` (pyzmq), as before the fast path existed. Spawned workers inherit the front's
+environment, so one setting covers a deployment; a front hands the setting to its Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+from omniflow._exceptions import TransportError
+
+__all__ = ["FAST_PATH_ENV", "fast_path_enabled", "is_local", "local_url"]
+
+#: The environment variable that turns the same-node fast path off (``0``) or on (default).
+FAST_PATH_ENV: Final = "OMNIFLOW_FAST_PATH"
+
+_ON: Final = frozenset({"", "1", "true", "on", "yes"})
+_OFF: Final = frozenset({"0", "false", "off", "no"})
+#: URL prefixes of socket-file transports (both ends on one node, in different processes).
+_LOCAL: Final = ("uds://", "ipc://")
+
+
+def fast_path_enabled() -> bool:
+    """Whether same-node endpoints use ``uds://`` (``OMNIFLOW_FAST_PATH``, default on)."""
+    value = os.environ.get(FAST_PATH_ENV, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise TransportError(
+        f"{FAST_PATH_ENV}={os.environ[FAST_PATH_ENV]!r} is not a switch; set it to 1 (the "
+        "default: same-node endpoints over uds://) or 0 (over pyzmq ipc://), or unset it"
+    )
+
+
+def local_url(path: str) -> str:
+    """The URL of a same-node endpoint at socket file ``path``: ``uds://`` or ``ipc://``."""
+    return f"{'uds' if fast_path_enabled() else 'ipc'}://{path}"
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a socket file on this node (``uds://``, ``ipc://``): its peer is
+    another process on the same host."""
+    return url.startswith(_LOCAL)
