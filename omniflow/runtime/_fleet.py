@@ -151,6 +151,8 @@ class Fleet:
         self.replicas: dict[str, Replica] = {}
         #: True while a batch of replica messages is handled (runs made then are queued).
         self.in_batch = False
+        #: Grows with every replica state change (what routes were computed from is stale).
+        self.epoch = 0
         self.registry: ServiceRegistry | None = None
         self._on_message = on_message
         self._on_lost = on_lost
@@ -537,6 +539,7 @@ class Fleet:
     def event(self, rep: Replica, event: ReplicaEvent, why: str = "") -> None:
         """The one way a replica's state changes (``_replica.transition`` checks it)."""
         rep.life.apply(event, why)
+        self.epoch += 1
 
     def lost(self, rep: Replica, why: str) -> None:
         """``rep`` is gone: kill its process if it still runs, fail its start, tell the

@@ -25,6 +25,9 @@ under its reader. Whatever the front's core does not turn into the forwarded act
 call closing, the frame rejected, a replica changed) is an *orphan*: the front cancels it and
 drops what it sends, releasing the refs among its outputs.
 
+``OMNIFLOW_FAST_PATH=0`` (``transport.fast_path_enabled``, the one switch of the fast path:
+``uds://`` between processes of a node, and forwarding) turns it off.
+
 Wire ids: the front's runs carry its activation id (an int); a forwarded run's id is
 ``"<upstream wire id>.<frame index>.<route index>"`` (a str), unique within the call because
 each frame of each activation is forwarded at most once per route.
@@ -32,22 +35,15 @@ each frame of each activation is forwarded at most once per route.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from omniflow.transport import FAST_PATH_ENV, fast_path_enabled
 
 if TYPE_CHECKING:
     from omniflow.runtime._compiled import Compiled
 
 __all__ = ["FAST_PATH_ENV", "Hop", "Route", "fast_path_enabled", "hops", "parent_of",
            "parse_routes", "wire_id"]  # fmt: skip
-
-#: Environment variable that turns the fast path off ("0", "false", "off", "no").
-FAST_PATH_ENV = "OMNIFLOW_FAST_PATH"
-
-
-def fast_path_enabled() -> bool:
-    """Whether ``$OMNIFLOW_FAST_PATH`` leaves the fast path on (the default)."""
-    return os.environ.get(FAST_PATH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 class Hop(NamedTuple):

@@ -209,6 +209,8 @@ class RemoteRoles:
         self._pending: dict[Key, _Pending] = {}
         #: (graph, node) -> its fast-path edges (from the plan; ``_forward.hops``).
         self._hops: dict[tuple[str, str], tuple[Hop, ...]] = {}
+        #: (graph, node) -> (fleet epoch, routes, their wire form) of its runs.
+        self._routes: dict[tuple[str, str], tuple[int, tuple[_Plan, ...], list[Any] | None]] = {}
         #: While a frame that forwarded runs is in the core: node -> (wire id, route) expected.
         self._expect: dict[str, tuple[str, _Plan, int]] | None = None
         #: Forwarded runs bound while the core handled a frame (their early messages replay).
@@ -340,7 +342,18 @@ class RemoteRoles:
         self, c: Compiled, graph: str, node: str
     ) -> tuple[tuple[_Plan, ...], list[Any] | None]:
         """The fast-path routes of a run of ``node``: each to the one routable replica of its
-        target (an edge whose role has more, or none ready, is left to the front)."""
+        target (an edge whose role has more, or none ready, is left to the front); the same
+        until a replica changes state."""
+        cached = self._routes.get((graph, node))
+        if cached is not None and cached[0] == self.fleet.epoch:
+            return cached[1], cached[2]
+        plans, wire = self._make_routes(c, graph, node)
+        self._routes[(graph, node)] = (self.fleet.epoch, plans, wire)
+        return plans, wire
+
+    def _make_routes(
+        self, c: Compiled, graph: str, node: str
+    ) -> tuple[tuple[_Plan, ...], list[Any] | None]:
         edges = self._hops.get((graph, node))
         if edges is None:
             edges = self._hops[(graph, node)] = hops(c, node, self.roles)
@@ -353,7 +366,7 @@ class RemoteRoles:
             if len(live) != 1 or live[0].life.state is not ReplicaState.READY:
                 continue
             rep = live[0]
-            sub, sub_wire = self._fast_routes(c, graph, hop.node)
+            sub, sub_wire = self._make_routes(c, graph, hop.node)
             off = self._offload.get((graph, hop.node)) or None
             plans.append(_Plan(hop, rep, sub))
             wire.append([

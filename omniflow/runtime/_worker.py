@@ -441,16 +441,17 @@ class Worker:
             self._reading = reading
 
     def _send_held(self) -> None:
-        if self._held:
-            held, self._held = self._held, {}
-            for peer, items in held.items():
-                for frames in batch(items):
-                    self._put(peer, frames)
+        # Forwards first: they are the next hop's critical path; the fronts only account.
         if self._held_links:
             held_links, self._held_links = self._held_links, {}
             for address, items in held_links.items():
                 for frames in batch(items):
                     self._link_send(address, frames)
+        if self._held:
+            held, self._held = self._held, {}
+            for peer, items in held.items():
+                for frames in batch(items):
+                    self._put(peer, frames)
 
     def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
         """A message was dropped (counted, and logged now and then)."""

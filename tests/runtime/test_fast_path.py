@@ -25,7 +25,6 @@ from omniflow.runtime._forward import (
     Hop,
     Route,
     Waiting,
-    fast_path_enabled,
     hops,
     parent_of,
     parse_routes,
@@ -150,16 +149,6 @@ def test_parse_routes_takes_well_formed_routes_only() -> None:
     ):
         with pytest.raises(ValueError):
             parse_routes(bad)
-
-
-def test_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FAST_PATH_ENV, raising=False)
-    assert fast_path_enabled()
-    for off in ("0", "false", "OFF", " no "):
-        monkeypatch.setenv(FAST_PATH_ENV, off)
-        assert not fast_path_enabled()
-    monkeypatch.setenv(FAST_PATH_ENV, "1")
-    assert fast_path_enabled()
 
 
 # ---------------------------------------------------------------- across processes
