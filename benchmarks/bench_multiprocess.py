@@ -352,52 +352,70 @@ async def bench_chain(
     graphs: dict[str, of.Graph], rounds: int, per_round: int, idle: float, with_ray: bool
 ) -> dict[str, Any]:
     """A 3-worker chain (``x -> c1 -> c2 -> c3 -> y``, each role in its own worker), one call at
-    a time, against a Ray Compiled Graph of 3 actors doing the same (``c3(c2(c1(x)))``), rounds
-    interleaved; then each side's idle CPU (front/driver + its 3 processes) over ``idle`` s."""
+    a time, over uds:// with the fast path (worker -> worker runs) and over ipc:// without it
+    (``OMNIFLOW_FAST_PATH=0``), against a Ray Compiled Graph of 3 actors doing the same
+    (``c3(c2(c1(x)))``), rounds interleaved. The compiled graph is compiled at the start of its
+    block and torn down at its end: its actors busy-poll while it exists (two cores' worth
+    here), which would otherwise slow down whatever runs beside it. Then each side's idle CPU
+    (front/driver + its 3 processes) over ``idle`` s."""
     g = graphs["bm_chain3"]
     res: dict[str, Any] = {"omniflow": [], "omniflow_ipc": [], "ray_cg": []}
-    compiled = actors = None
+    actors: list[Any] = []
     ray = None
     if with_ray:
-        from ray.dag import InputNode
-
         from omniflow.runtime._ray import init_ray
 
         ray = init_ray(None, num_cpus=8, include_dashboard=False, log_to_driver=False)
         actors = [ray.remote(PlainStage).options(num_cpus=1).remote() for _ in range(3)]
-        with InputNode() as inp:
+
+    def compiled_block(n: int, keep: bool) -> list[float]:
+        from ray.dag import InputNode
+
+        assert ray is not None
+        with InputNode() as inp:  # a DAG compiles once: a new one per block
             dag = actors[2].run.bind(actors[1].run.bind(actors[0].run.bind(inp)))
         compiled = dag.experimental_compile()
+        try:
+            for i in range(100):
+                assert ray.get(compiled.execute(i)) == i + 3
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                ray.get(compiled.execute(i))
+                out.append(time.perf_counter() - t0)
+            if keep:
+                res["idle_ray_cg"] = 0.0  # measured below, while compiled
+                res["_compiled"] = compiled
+                return out
+        finally:
+            if not keep:
+                compiled.teardown()
+        return out
+
     try:
         async with in_workers(g, fast_path=False) as rt_ipc, in_workers(g, True) as rt:
             assert rt.remote is not None
             for i in range(300):
                 assert (await rt.run("bm_chain3", {"x": i}))["y"] == [i + 3]
                 assert (await rt_ipc.run("bm_chain3", {"x": i}))["y"] == [i + 3]
-            if compiled is not None:
-                for i in range(300):
-                    assert ray.get(compiled.execute(i)) == i + 3
             for _ in range(rounds):
                 res["omniflow"] += await calls(rt, "bm_chain3", {"x": 1}, per_round)
                 res["omniflow_ipc"] += await calls(rt_ipc, "bm_chain3", {"x": 1}, per_round)
-                if compiled is not None:
-                    out = res["ray_cg"]
-                    for i in range(per_round):
-                        t0 = time.perf_counter()
-                        ray.get(compiled.execute(i))
-                        out.append(time.perf_counter() - t0)
+                if ray is not None:
+                    res["ray_cg"] += compiled_block(per_round, keep=False)
             pids = [r.pid for r in rt.remote.fleet.replicas.values() if r.pid]
             assert len(pids) == 3
             res["idle_omniflow"] = await idle_cpu([os.getpid(), *pids], idle)
-        if compiled is not None:
-            assert actors is not None and ray is not None
-            apids = [ray.get(a.pid.remote()) for a in actors]
-            res["idle_ray_cg"] = await idle_cpu([os.getpid(), *apids], idle)
-    finally:
-        if compiled is not None:
-            compiled.teardown()
         if ray is not None:
-            for a in actors or ():
+            compiled_block(10, keep=True)  # compiled, then left idle
+            apids = [ray.get(a.pid.remote()) for a in actors]
+            try:
+                res["idle_ray_cg"] = await idle_cpu([os.getpid(), *apids], idle)
+            finally:
+                res.pop("_compiled").teardown()
+    finally:
+        if ray is not None:
+            for a in actors:
                 ray.kill(a)
             ray.shutdown()
     return res

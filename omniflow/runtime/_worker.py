@@ -769,10 +769,12 @@ class Worker:
             )  # fmt: skip
             try:
                 frames = encode_msg(msg)
-                if self._reading:
-                    self._held_links.setdefault(route.address, []).append(frames)
-                else:
-                    self._link_send(route.address, frames)
+                # Held until the received batch is handled, or to the end of this loop turn
+                # (a generator's frames of one turn leave together, as its frames to the front).
+                held = self._held_links
+                if not held and not self._reading:
+                    asyncio.get_running_loop().call_soon(self._flush_held)
+                held.setdefault(route.address, []).append(frames)
             except Exception as exc:  # not forwarded: the front runs it the slow way
                 logger.debug("worker %s: forward to %s failed: %s", self.replica_id,
                              route.address, exc)  # fmt: skip
