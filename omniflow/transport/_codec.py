@@ -122,7 +122,11 @@ def encode(
         )
     except (_NotPlain, ValueError, TypeError, OverflowError, BufferError):
         packed = None
-    if packed is not None and len(packed) <= MAX_DEPTH and len(packed) < threshold:
+    if (
+        packed is not None
+        and len(packed) < threshold
+        and (len(packed) <= MAX_DEPTH or _shallow_plain(body))
+    ):
         return [_PREFIX + packed]
     packer = _Packer(threshold, pickle)
     try:
@@ -170,6 +174,29 @@ class _NotPlain(Exception):
 
 def _not_plain(obj: Any) -> Any:
     raise _NotPlain
+
+
+def _shallow_plain(body: Any) -> bool:
+    """Whether a body that msgpack packed as plain types (exact lists and dicts, no tuples)
+    is what the walker would also pack as is: nested at most MAX_DEPTH - 2 levels under the
+    envelope, and every dict key of a type the walker takes. Looks at containers only."""
+    stack = [(body, 0)]
+    limit = MAX_DEPTH - 2
+    while stack:
+        obj, depth = stack.pop()
+        if type(obj) is list:
+            if depth >= limit:
+                return False
+            stack.extend((v, depth + 1) for v in obj if type(v) is list or type(v) is dict)
+        elif type(obj) is dict:
+            if depth >= limit:
+                return False
+            for key, value in obj.items():
+                if not isinstance(key, _KEY_TYPES):
+                    return False
+                if type(value) is list or type(value) is dict:
+                    stack.append((value, depth + 1))
+    return True
 
 
 class _Unsupported(Exception):
