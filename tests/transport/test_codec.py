@@ -215,6 +215,23 @@ def test_ints_beyond_64_bits_round_trip(n: int) -> None:
     assert decode(encode({"n": n, "l": [n, (n,)]})) == {"n": n, "l": [n, (n,)]}
 
 
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 3, MAX_DEPTH - 2, MAX_DEPTH - 1, MAX_DEPTH])
+def test_long_plain_bodies_near_the_depth_limit_encode_as_the_walker_would(depth: int) -> None:
+    """Over 128 bytes the one-call path checks nesting itself: what it takes round-trips, and
+    what nests too deep is still refused (or pickled), never packed past the decoder's limit."""
+    deep: Any = ["x" * 200]  # long: the byte count alone no longer bounds the depth
+    for _ in range(depth):
+        deep = [deep]
+    body = {"k": deep, "s": "y" * 100}
+    if depth + 2 <= MAX_DEPTH:
+        assert decode(encode(body)) == body
+    else:
+        with pytest.raises(CodecError, match="deeper"):
+            encode(body)
+        assert decode(encode(body, pickle=True), allow_pickle=True) == body
+    assert len(encode({"long": "z" * 500, "l": [[1, 2], {"a": [3]}]})) == 1
+
+
 def test_nesting_deeper_than_the_walker_needs_pickle() -> None:
     deep: list[Any] = []
     cur = deep
