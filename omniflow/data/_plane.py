@@ -34,10 +34,12 @@ from omniflow.data._ref import CONNECTORS, DataRef
 from omniflow.transport._auth import Opener, WireStats
 from omniflow.transport._dealers import Dealers
 from omniflow.transport._protocol import (
+    Batch,
     ProtocolError,
     Pull,
     Pulled,
     PullFailed,
+    decode_inner,
     decode_msg,
     encode_msg,
 )
@@ -505,17 +507,28 @@ class PullClient:
             except ProtocolError as exc:
                 self._opener.stats.drop(exc.reason)
                 continue
-            match msg:
-                case Pulled(r=r, data=data) if isinstance(data, bytes | memoryview):
-                    fut = self._waiting.get(r)
-                    if fut is not None and not fut.done():
-                        fut.set_result(data)
-                case PullFailed(r=r, error=error):
-                    fut = self._waiting.get(r)
-                    if fut is not None and not fut.done():
-                        fut.set_exception(DataError(f"pull failed: {error}"))
-                case _:
-                    self._opener.stats.drop("unknown_kind")
+            if type(msg) is Batch:  # small answers the producer had ready together
+                for m in msg.ms:
+                    try:
+                        self._answer(decode_inner(m))
+                    except ProtocolError as exc:
+                        self._opener.stats.drop(exc.reason)
+            else:
+                self._answer(msg)
+
+    def _answer(self, msg: Any) -> None:
+        """A producer's answer to one pull."""
+        match msg:
+            case Pulled(r=r, data=data) if isinstance(data, bytes | memoryview):
+                fut = self._waiting.get(r)
+                if fut is not None and not fut.done():
+                    fut.set_result(data)
+            case PullFailed(r=r, error=error):
+                fut = self._waiting.get(r)
+                if fut is not None and not fut.done():
+                    fut.set_exception(DataError(f"pull failed: {error}"))
+            case _:
+                self._opener.stats.drop("unknown_kind")
 
     def close(self) -> None:
         self._dealers.close()

@@ -292,7 +292,9 @@ class Worker:
                         name, self.replica_id, endpoint.url, {"pid": os.getpid()}
                     )
             loop = asyncio.get_running_loop()
-            with contextlib.suppress(NotImplementedError, RuntimeError):
+            # Not in a Ray actor's thread: asyncio says RuntimeError, uvloop (which Ray's
+            # workers use when it is installed) ValueError.
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             writer = loop.create_task(self._write(endpoint))
             reader = loop.create_task(self._read(endpoint))
