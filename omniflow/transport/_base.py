@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Awaitable, Sequence
 from types import TracebackType
 from typing import ClassVar, NamedTuple, Self, TypeVar
@@ -39,6 +40,7 @@ from omniflow.transport._codec import Buffer
 __all__ = [
     "Endpoint",
     "EndpointState",
+    "Inbox",
     "Packet",
     "Transport",
     "bind",
@@ -204,6 +206,52 @@ class Endpoint(ABC):
 
     def _closed_error(self, op: str) -> RuntimeClosedError:
         return RuntimeClosedError(f"{self.url}: cannot {op}, the endpoint is closed")
+
+
+class Inbox:
+    """Packets received and not yet handed out, and the receivers waiting for them: what an
+    endpoint driven by ``loop.add_reader`` (``_zmq``, ``_uds``) keeps between a readable
+    event and ``recv``/``recv_batch``."""
+
+    __slots__ = ("packets", "waiters")
+
+    def __init__(self) -> None:
+        #: Oldest first.
+        self.packets: deque[Packet] = deque()
+        #: Receivers waiting for the inbox to fill.
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    def wake(self) -> None:
+        """Packets arrived: every waiting receiver looks."""
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def cancel(self) -> None:
+        """The endpoint closed: every waiting receiver is cancelled (``Endpoint`` turns that
+        into RuntimeClosedError)."""
+        for waiter in self.waiters:
+            waiter.cancel()
+
+    async def wait(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until at least one packet is in."""
+        while not self.packets:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self.waiters.remove(waiter)
+
+    async def one(self, loop: asyncio.AbstractEventLoop) -> Packet:
+        await self.wait(loop)
+        return self.packets.popleft()
+
+    async def all(self, loop: asyncio.AbstractEventLoop) -> list[Packet]:
+        await self.wait(loop)
+        batch = list(self.packets)
+        self.packets.clear()
+        return batch
 
 
 class Transport(ABC):

@@ -50,7 +50,6 @@ import secrets
 import socket as _socket
 import uuid
 from abc import abstractmethod
-from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
@@ -58,6 +57,7 @@ from omniflow._exceptions import TransportError
 from omniflow.transport._base import (
     Endpoint,
     EndpointState,
+    Inbox,
     Packet,
     Transport,
     register_transport,
@@ -102,10 +102,8 @@ class _UdsEndpoint(Endpoint):
         self.hwm = hwm
         #: The loop whose readers and writers watch our sockets (attached on first use).
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Messages received and not yet handed out, oldest first.
-        self._inbox: deque[Packet] = deque()
-        #: Receivers waiting for the inbox to fill.
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        #: Messages received and not yet handed out, and who waits for them.
+        self._in = Inbox()
 
     # ------------------------------------------------------------ loop
 
@@ -149,9 +147,7 @@ class _UdsEndpoint(Endpoint):
         messages, broken = conn.read()
         if messages:
             self._arrived(conn, messages)
-            for waiter in self._waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._in.wake()
         if broken is not None and not conn.closed and self.state is EndpointState.OPEN:
             self._lost(conn, broken)
 
@@ -205,24 +201,10 @@ class _UdsEndpoint(Endpoint):
     # ------------------------------------------------------------ receiving
 
     async def _recv(self) -> Packet:
-        await self._wait()
-        return self._inbox.popleft()
+        return await self._in.one(self._attach())
 
     async def _recv_batch(self) -> list[Packet]:
-        await self._wait()
-        batch = list(self._inbox)
-        self._inbox.clear()
-        return batch
-
-    async def _wait(self) -> None:
-        loop = self._attach()
-        while not self._inbox:
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                self._waiters.remove(waiter)
+        return await self._in.all(self._attach())
 
     def _close_conn(self, conn: Conn, *, last_try: bool = False) -> None:
         """Unwatch and close ``conn`` (once); with ``last_try``, first write what its outbox
@@ -237,8 +219,7 @@ class _UdsEndpoint(Endpoint):
         conn.sock.close()
 
     def _wake_for_close(self) -> None:
-        for waiter in self._waiters:
-            waiter.cancel()
+        self._in.cancel()
 
 
 class _UdsRouter(_UdsEndpoint):
@@ -298,7 +279,7 @@ class _UdsRouter(_UdsEndpoint):
             self._watch(conn)
 
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
-        inbox = self._inbox
+        inbox = self._in.packets
         identity = conn.identity
         for frames in messages:
             if identity is None:
@@ -453,7 +434,7 @@ class _UdsDealer(_UdsEndpoint):
 
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
         self._delay = _RETRY_MIN  # a working connection: the next loss retries fast again
-        inbox = self._inbox
+        inbox = self._in.packets
         for frames in messages:
             inbox.append(Packet(None, frames))
 

@@ -54,6 +54,7 @@ from omniflow._exceptions import TransportError
 from omniflow.transport._base import (
     Endpoint,
     EndpointState,
+    Inbox,
     Packet,
     Transport,
     register_transport,
@@ -87,10 +88,8 @@ class _ZmqEndpoint(Endpoint):
         self._fd = cast(int, socket.getsockopt(zmq.FD))
         #: The loop whose reader watches ``_fd`` (attached on first use).
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Messages received and not yet handed out, oldest first.
-        self._inbox: deque[Packet] = deque()
-        #: Receivers waiting for the inbox to fill.
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        #: Messages received and not yet handed out, and who waits for them.
+        self._in = Inbox()
         #: Sends that would have blocked (high-water mark), in order, waiting for POLLOUT.
         self._outbox: deque[tuple[Sequence[Any], asyncio.Future[None]]] = deque()
 
@@ -126,7 +125,7 @@ class _ZmqEndpoint(Endpoint):
     def _drain(self) -> bool:
         """Receive until EAGAIN (never less: the FD fires again only after that)."""
         recv = self._socket.recv_multipart
-        inbox = self._inbox
+        inbox = self._in.packets
         n = len(inbox)
         while True:
             try:
@@ -139,9 +138,7 @@ class _ZmqEndpoint(Endpoint):
                 inbox.append(Packet(None, [part.buffer for part in parts]))
         if len(inbox) == n:
             return False
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._in.wake()
         return True
 
     def _flush(self) -> bool:
@@ -212,30 +209,15 @@ class _ZmqEndpoint(Endpoint):
         await fut
 
     async def _recv(self) -> Packet:
-        await self._wait()
-        return self._inbox.popleft()
+        return await self._in.one(self._attach())
 
     async def _recv_batch(self) -> list[Packet]:
-        await self._wait()
-        batch = list(self._inbox)
-        self._inbox.clear()
-        return batch
-
-    async def _wait(self) -> None:
-        loop = self._attach()
-        while not self._inbox:
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                self._waiters.remove(waiter)
+        return await self._in.all(self._attach())
 
     def _close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
-        for waiter in self._waiters:
-            waiter.cancel()
+        self._in.cancel()
         for _parts, fut in self._outbox:
             if not fut.done():
                 fut.set_exception(self._closed_error("send"))
