@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
+import socket
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Sequence
@@ -46,6 +48,7 @@ __all__ = [
     "bind",
     "connect",
     "register_transport",
+    "socket_file_in_use",
     "transport_for",
 ]
 
@@ -308,3 +311,16 @@ def bind(url: str) -> Endpoint:
 def connect(url: str, *, identity: bytes | None = None) -> Endpoint:
     """Connect a (DEALER) endpoint to ``url``; see the module docstring."""
     return transport_for(url).connect(url, identity=identity)
+
+
+def socket_file_in_use(path: str) -> bool:
+    """Whether a live socket listens at socket file ``path`` (a stale file, left by a process
+    that died, refuses the connection): ``ipc://`` and ``uds://`` refuse to bind over one."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True

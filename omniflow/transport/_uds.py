@@ -61,6 +61,7 @@ from omniflow.transport._base import (
     Packet,
     Transport,
     register_transport,
+    socket_file_in_use,
 )
 from omniflow.transport._codec import Buffer
 from omniflow.transport._udswire import (
@@ -494,7 +495,7 @@ class UdsTransport(Transport):
 
     def bind(self, url: str) -> Endpoint:
         path = _path(url)
-        if _in_use(path):
+        if socket_file_in_use(path):
             raise TransportError(f"{url}: address already in use by a live socket", url=url)
         listener = _socket.socket(_socket.AF_UNIX, _SOCK_FLAGS)
         try:
@@ -540,7 +541,7 @@ def _bind_private(listener: _socket.socket, path: str) -> None:
     tmp = os.path.join(os.path.dirname(path), f".of{secrets.token_hex(4)}")
     if len(os.fsencode(tmp)) > 107:  # no room for the temporary name: rely on the directory
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # stale (_in_use said nothing listens)
+            os.unlink(path)  # stale (socket_file_in_use said nothing listens)
         listener.bind(path)
         os.chmod(path, 0o600)
         return
@@ -552,18 +553,6 @@ def _bind_private(listener: _socket.socket, path: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def _in_use(path: str) -> bool:
-    """Whether a live socket listens at ``path`` (a stale file refuses the connection)."""
-    if not os.path.exists(path):
-        return False
-    with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
 
 
 register_transport(UdsTransport())

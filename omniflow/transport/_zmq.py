@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket as _socket
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -58,6 +57,7 @@ from omniflow.transport._base import (
     Packet,
     Transport,
     register_transport,
+    socket_file_in_use,
 )
 from omniflow.transport._codec import Buffer
 
@@ -253,7 +253,7 @@ class ZmqTransport(Transport):
     def bind(self, url: str) -> Endpoint:
         address = _zmq_address(url)
         ipc_path = _ipc_path(url)
-        if ipc_path is not None and _ipc_in_use(ipc_path):
+        if ipc_path is not None and socket_file_in_use(ipc_path):
             raise TransportError(f"{url}: address already in use by a live socket", url=url)
         socket = self._socket(zmq.ROUTER, url)
         try:
@@ -292,18 +292,6 @@ def _ipc_path(url: str) -> str | None:
     if not url.startswith("ipc://") or url.startswith("ipc://@"):
         return None
     return url.removeprefix("ipc://")
-
-
-def _ipc_in_use(path: str) -> bool:
-    """Whether a live socket listens at ``path`` (a stale file refuses the connection)."""
-    if not os.path.exists(path):
-        return False
-    with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
 
 
 def _zmq_address(url: str) -> str:
