@@ -268,47 +268,29 @@ class MetaNotify(NamedTuple):
     keys: list[str]
 
 
+#: The fields of a run (a forward is one, after whom it is for: ``ft``, ``rid``; its ``a`` is
+#: always a forwarded wire id, a str).
+_RUN: tuple[tuple[type, ...], ...] = (
+    (str,),
+    (int, str),
+    (str,),
+    (dict,),
+    (str, _N),
+    (int,),
+    (int,),
+    (str,),
+    (list, _N),
+    (int, _N),
+    (dict, _N),
+    (list, _N),
+)
 #: message type -> (kind, allowed types of each field, in order).
 _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     Batch: ("batch", ((list,),)),
     Hello: ("hello", ((str,), (float, int))),
     Ready: ("ready", ((str,), (list,), (int,))),
-    Run: (
-        "run",
-        (
-            (str,),
-            (int, str),
-            (str,),
-            (dict,),
-            (str, _N),
-            (int,),
-            (int,),
-            (str,),
-            (list, _N),
-            (int, _N),
-            (dict, _N),
-            (list, _N),
-        ),
-    ),
-    Forward: (
-        "forward",
-        (
-            (str,),
-            (str,),
-            (str,),
-            (str,),
-            (str,),
-            (dict,),
-            (str, _N),
-            (int,),
-            (int,),
-            (str,),
-            (list, _N),
-            (int, _N),
-            (dict, _N),
-            (list, _N),
-        ),
-    ),
+    Run: ("run", _RUN),
+    Forward: ("forward", ((str,), (str,), _RUN[0], (str,), *_RUN[2:])),  # (its wire id: a str)
     Cancel: ("cancel", ((str,), (int, str))),
     Frame: ("frame", ((str,), (int, str), _ANY, (list, _N))),
     Frames: ("frames", ((str,), (int, str), (list,), (list, _N))),

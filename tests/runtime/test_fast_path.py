@@ -161,23 +161,6 @@ def fast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> boo
     return bool(request.param == "on")
 
 
-@pytest.fixture
-async def process_rt() -> AsyncIterator[Callable[..., Any]]:
-    opened: list[of.Runtime] = []
-
-    async def make(graph: of.Graph, **kw: Any) -> of.Runtime:
-        rt = of.Runtime(graph, placement="process", validate=True, **kw)
-        await rt.start()
-        opened.append(rt)
-        return rt
-
-    yield make
-    for rt in opened:
-        stats = rt.stats()
-        await rt.close()
-        assert stats == ZERO, f"runtime left work behind: {stats}"
-
-
 async def idle(rt: of.Runtime) -> dict[str, int]:
     """The front's remote statistics once nothing is in flight (hang guard: 30 s)."""
     assert rt.remote is not None
@@ -191,12 +174,12 @@ async def idle(rt: of.Runtime) -> dict[str, int]:
 
 @pytest.mark.slow
 async def test_chain_answers_as_in_process_and_runs_go_worker_to_worker(
-    fast: bool, process_rt: Callable[..., Any]
+    fast: bool, runtime: Callable[..., Any]
 ) -> None:
     g = graphs()["fp_chain"]
     async with of.Runtime(g) as local:
         want = [await local.run("fp_chain", {"x": x}) for x in range(20)]
-    rt = await process_rt(g)
+    rt = await runtime(g, placement="process")
     got = [await rt.run("fp_chain", {"x": x}) for x in range(20)]
     assert got == want
     assert want[3]["y"] == [(3 + 1) * 2 - 3]
@@ -208,13 +191,13 @@ async def test_chain_answers_as_in_process_and_runs_go_worker_to_worker(
 
 @pytest.mark.slow
 async def test_stream_keeps_every_frame_its_order_and_its_seq(
-    fast: bool, process_rt: Callable[..., Any]
+    fast: bool, runtime: Callable[..., Any]
 ) -> None:
     g = graphs()["fp_stream"]
     n = 300
     async with of.Runtime(g) as local:
         want = [(f.field, f.value) async for f in local.call("fp_stream", {"n": n})]
-    rt = await process_rt(g)
+    rt = await runtime(g, placement="process")
     for _ in range(2):
         got = [(f.field, f.value) async for f in rt.call("fp_stream", {"n": n})]
         # per field, frames come in SeqId order (s1 finishes out of order underneath)
@@ -228,11 +211,11 @@ async def test_stream_keeps_every_frame_its_order_and_its_seq(
 
 @pytest.mark.slow
 async def test_values_on_the_data_plane_take_the_front_way(
-    fast: bool, process_rt: Callable[..., Any]
+    fast: bool, runtime: Callable[..., Any]
 ) -> None:
     g = graphs()["fp_mixed"]
     n = 9
-    rt = await process_rt(g)
+    rt = await runtime(g, placement="process")
     got = await rt.run("fp_mixed", {"n": n})
     kinds = sorted((w[0], w[1], w[2]) for w in got["w"])
     assert kinds == sorted(
@@ -244,9 +227,9 @@ async def test_values_on_the_data_plane_take_the_front_way(
 
 @pytest.mark.slow
 async def test_a_failing_branch_leaves_nothing_behind(
-    fast: bool, process_rt: Callable[..., Any]
+    fast: bool, runtime: Callable[..., Any]
 ) -> None:
-    rt = await process_rt(graphs()["fp_fail"])
+    rt = await runtime(graphs()["fp_fail"], placement="process")
     for _ in range(3):
         with pytest.raises(of.NodeError, match="frame 5 is bad"):
             await rt.run("fp_fail", {"n": 40})
@@ -259,9 +242,9 @@ async def test_a_failing_branch_leaves_nothing_behind(
 
 @pytest.mark.slow
 async def test_cancelling_a_stream_leaves_nothing_behind(
-    fast: bool, process_rt: Callable[..., Any]
+    fast: bool, runtime: Callable[..., Any]
 ) -> None:
-    rt = await process_rt(graphs()["fp_forever"])
+    rt = await runtime(graphs()["fp_forever"], placement="process")
     for _ in range(3):
         call = rt.call("fp_forever", {"n": 0})
         seen = 0
