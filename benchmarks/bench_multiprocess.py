@@ -52,6 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import omniflow as of
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ray import idle_cpu  # the same measure as bench_ray's idle column
+
 # ---------------------------------------------------------------------------------- graphs
 
 
@@ -332,20 +335,6 @@ def by_area(stats: pstats.Stats) -> list[tuple[str, float]]:
 
 
 # ---------------------------------------------------------------------------------- 3. chain
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def idle_cpu(pids: list[int], seconds: float) -> float:
-    """CPU percent (of one core) that ``pids`` burn together over ``seconds`` of idling."""
-    before = sum(cpu_seconds(p) for p in pids)
-    await asyncio.sleep(seconds)
-    return 100 * (sum(cpu_seconds(p) for p in pids) - before) / seconds
 
 
 async def bench_chain(
