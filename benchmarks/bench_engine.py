@@ -14,8 +14,12 @@ Measures (goals from issue 13):
      a. in-process: rt.call on an of.Runtime in this process vs engine.generate here;
      b. over HTTP: an `omniflow serve benchmarks/engine_role.py` process streaming NDJSON to a
         minimal asyncio HTTP client here, vs a process of its own calling the same engine
-        directly (benchmarks/engine_role.py --direct); both processes are up for the whole
-        measure, one works while the other waits.
+        directly and streaming the same bytes to the same client from a bare asyncio HTTP
+        server (benchmarks/engine_role.py --direct-http: no runtime, no ASGI, a socket write
+        per token): the same work on both sides, so the difference is what omniflow adds.
+        For reference, also vs the engine alone in a process that sends no token anywhere
+        (--direct): that gap includes the HTTP stream itself. All processes are up for the
+        whole measure, one works while the others wait.
 Every round runs every contender once, in alternating order (ABBA), so machine load hits them
 alike; ratios are the median of the per-round ratios, with their spread (min..max).
 """
@@ -117,7 +121,8 @@ class _Http:
 
 
 class HttpContenders:
-    """`omniflow serve` with the engine role, and the direct worker, both on the same model."""
+    """`omniflow serve` with the engine role, the bare HTTP server calling the engine directly,
+    and the direct worker (engine alone), all on the same model."""
 
     def __init__(self, model: Path, threads: int) -> None:
         env = {**os.environ, "OMNIFLOW_BENCH_MODEL": str(model)}
@@ -127,11 +132,16 @@ class HttpContenders:
             [sys.executable, "-m", "omniflow", "serve", role_file, "--port", "0"],
             stdout=subprocess.PIPE, cwd=ROOT, env=env,
         )  # fmt: skip
+        self.bare = subprocess.Popen(
+            [sys.executable, role_file, "--direct-http"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
+        )  # fmt: skip
         self.worker = subprocess.Popen(
             [sys.executable, role_file, "--direct"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
         )  # fmt: skip
         self.url = self._line(self.server, r"http://\S+")
+        self.bare_url = self._line(self.bare, r"http://\S+")
         self._line(self.worker, r"ready")
 
     @staticmethod
@@ -144,10 +154,11 @@ class HttpContenders:
             raise SystemExit(f"{proc.args} did not start: {line!r}")
         return m.group(0)
 
-    async def http(self, k: int, n: int, plen: int) -> float:
-        """``k`` concurrent streamed calls, each on a fresh connection (the server closes
-        keep-alive connections idle for 5 s, as long as the other contender's turn)."""
-        m = re.match(r"http://([^:/]+):(\d+)", self.url)
+    async def http(self, k: int, n: int, plen: int, url: str | None = None) -> float:
+        """``k`` concurrent streamed calls to ``url`` (default: the omniflow server), each on a
+        fresh connection (the server closes keep-alive connections idle for 5 s, as long as
+        the other contenders' turns)."""
+        m = re.match(r"http://([^:/]+):(\d+)", url or self.url)
         assert m is not None
         conns = [_Http(*await asyncio.open_connection(m[1], int(m[2]))) for _ in range(k)]
         try:
@@ -162,6 +173,9 @@ class HttpContenders:
         assert sum(counts) == k * n, counts
         return sum(counts) / dt
 
+    async def bare_http(self, k: int, n: int, plen: int) -> float:
+        return await self.http(k, n, plen, self.bare_url)
+
     async def direct(self, k: int, n: int, plen: int) -> float:
         assert self.worker.stdin is not None and self.worker.stdout is not None
         self.worker.stdin.write(f"{k} {n} {plen}\n".encode())
@@ -170,8 +184,8 @@ class HttpContenders:
         return float(line)
 
     async def close(self) -> None:
-        for proc in (self.server, self.worker):
-            if proc is self.worker and proc.stdin is not None:
+        for proc in (self.server, self.bare, self.worker):
+            if proc is not self.server and proc.stdin is not None:
                 proc.stdin.close()
             else:
                 proc.terminate()
@@ -179,18 +193,16 @@ class HttpContenders:
 
 
 async def interleaved(
-    rounds: int, a: Callable[[], Awaitable[float]], b: Callable[[], Awaitable[float]]
-) -> tuple[list[float], list[float]]:
-    """``rounds`` runs of each, ABBA order (so a drift in load hits both alike)."""
-    xs, ys = [], []
+    rounds: int, *runs: Callable[[], Awaitable[float]]
+) -> tuple[list[float], ...]:
+    """``rounds`` runs of each, in order then reversed, alternately (ABBA for two: a drift in
+    load hits them all alike)."""
+    out: tuple[list[float], ...] = tuple([] for _ in runs)
     for r in range(rounds):
-        if r % 2 == 0:
-            xs.append(await a())
-            ys.append(await b())
-        else:
-            ys.append(await b())
-            xs.append(await a())
-    return xs, ys
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            out[i].append(await runs[i]())
+    return out
 
 
 def proc_cpu(pid: int) -> float:
@@ -357,33 +369,49 @@ async def main() -> None:
 async def measure_http(
     path: Path, threads: int, k: int, n_decode: int, plen: int, rounds: int
 ) -> None:
-    """4b: over HTTP, two processes of their own, ABBA."""
+    """4b: over HTTP, three processes of their own, in alternating order."""
     procs = HttpContenders(path, threads)
     try:
         await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
+        await procs.bare_http(2, 4, plen)
         await procs.direct(2, 4, plen)
-        toks, c_http, c_dirp, l_http, l_dirp = k * n_decode, [], [], [], []
-        srv, wrk = procs.server.pid, procs.worker.pid
-        http, dir_p = await interleaved(
+        toks = k * n_decode
+        cpu: dict[str, list[float]] = {name: [] for name in ("serve", "bare", "alone")}
+        loop: dict[str, list[float]] = {name: [] for name in cpu}
+        pids = {"serve": procs.server.pid, "bare": procs.bare.pid, "alone": procs.worker.pid}
+        runs = {
+            "serve": lambda: procs.http(k, n_decode, plen),
+            "bare": lambda: procs.bare_http(k, n_decode, plen),
+            "alone": lambda: procs.direct(k, n_decode, plen),
+        }
+        http, bare, alone = await interleaved(
             rounds,
-            with_cpu(lambda: procs.http(k, n_decode, plen), srv, toks, c_http, l_http),
-            with_cpu(lambda: procs.direct(k, n_decode, plen), wrk, toks, c_dirp, l_dirp),
+            *(with_cpu(runs[c], pids[c], toks, cpu[c], loop[c]) for c in cpu),
         )
     finally:
         await procs.close()
-    over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
-    c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
-    l_over = [a - b for a, b in zip(l_http, l_dirp, strict=True)]
+
+    def versus(rates: list[float], name: str, what: str, goal: str) -> str:
+        over = [100 * (1 - a / b) for a, b in zip(http, rates, strict=True)]
+        c_over = [100 * (a / b - 1) for a, b in zip(cpu["serve"], cpu[name], strict=True)]
+        l_over = [1000 * (a - b) for a, b in zip(loop["serve"], loop[name], strict=True)]
+        return (
+            f"   vs {what} {statistics.median(rates):.0f} tok/s -> "
+            f"{statistics.median(over):+.1f}% slower [{spread(over, '{:+.1f}')}]{goal}; "
+            f"process CPU/token {statistics.median(cpu['serve']):.3f} vs "
+            f"{statistics.median(cpu[name]):.3f} ms -> {statistics.median(c_over):+.1f}% "
+            f"[{spread(c_over, '{:+.1f}')}]; event-loop thread CPU/token "
+            f"{1000 * statistics.median(loop['serve']):.1f} vs "
+            f"{1000 * statistics.median(loop[name]):.1f} us -> "
+            f"{statistics.median(l_over):+.1f} us [{spread(l_over, '{:+.1f}')}]"
+        )
+
     print(
         f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
-        f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
-        f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
-        f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
-        f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
-        f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]; "
-        f"event-loop thread CPU per token {1000 * statistics.median(l_http):.1f} vs "
-        f"{1000 * statistics.median(l_dirp):.1f} us -> +{1000 * statistics.median(l_over):.1f} us "
-        f"[{spread([1000 * x for x in l_over], '{:+.1f}')}]",
+        f"{statistics.median(http):.0f} tok/s\n"
+        + versus(bare, "bare", "the engine directly behind a bare HTTP server", " (goal <= 5%)")
+        + "\n"
+        + versus(alone, "alone", "the engine alone, no HTTP", ""),
         flush=True,
     )
 
