@@ -263,26 +263,63 @@ _NDJSON_HEADERS = [
 
 
 class NdjsonCallResponse(CallResponse):
-    """``application/x-ndjson``: one line per frame as produced, then the done line."""
+    """``application/x-ndjson``: one line per frame as produced, then the done line.
+
+    While the client keeps up, a frame's line is written in the producer's turn
+    (``Call.deliver``): the runtime hands the frames to ``_take``, which writes them with the
+    server's chunk writer at once, and the response's task is not woken per frame. Whenever
+    that is not possible (no chunk writer, a full socket buffer, the client gone, a value with
+    no JSON form) ``_take`` refuses, the frames queue in the call, and the task writes them
+    through ASGI as before; while it holds frames it has not finished writing, ``_take``
+    refuses too, so no frame overtakes another.
+    """
+
+    def __init__(self, state: ServeState, call: Call) -> None:
+        super().__init__(state, call)
+        #: The task holds frames taken from the call and not yet written.
+        self._holding = False
+        self._n = 0  #: frames written
+        self._nbytes = 0  #: body bytes written (frame lines)
+
+    def _take(self, frames: list[Frame]) -> bool:
+        """The call's sink: write ``frames`` now, or False (then they are queued)."""
+        write = self.write_body
+        if write is None or self._holding or self.disconnected:
+            return False
+        try:
+            chunk = frame_lines([(frame, dumps(frame.value)) for frame in frames])
+        except Exception:  # ValueEncodingError, or anything else: the task's way reports it
+            return False
+        if not write(chunk):
+            return False
+        self._n += len(frames)
+        self._nbytes += len(chunk)
+        return True
 
     async def respond(self, send: Send) -> None:
-        http, graph = self.state.http, self.call.graph
+        http, graph, call = self.state.http, self.call.graph, self.call
         await send({"type": "http.response.start", "status": 200, "headers": _NDJSON_HEADERS})
-        n = nbytes = 0
-        write, send_chunk = self.write_body, self.send_chunk
+        write, send_body = self.write_body, self.send_body
+        assert send_body is not None  # set before respond runs
+        if write is not None:
+            call.deliver(self._take)
         try:
             async with contextlib.aclosing(self.batches()) as batches:
                 async for batch in batches:
                     if self.disconnected:
                         continue
                     chunk = frame_lines(batch)
-                    if write is None or not write(chunk):  # (send_chunk's test, inlined)
-                        await send_chunk(chunk)
-                    n += len(batch)
-                    nbytes += len(chunk)
+                    if not write or not write(chunk):  # (send_chunk, inlined)
+                        self._holding = True
+                        message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                        await send_body(message)
+                        self._holding = False
+                    self._n += len(batch)
+                    self._nbytes += len(chunk)
         finally:
-            http.frames_out[graph] = http.frames_out.get(graph, 0) + n
-            http.bytes_out += nbytes
+            call.deliver(None)
+            http.frames_out[graph] = http.frames_out.get(graph, 0) + self._n
+            http.bytes_out += self._nbytes
         await self._finish(send, done_line(self.call, self.extra_errors))
 
 
