@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py            # ~4 min on 2 cores
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~1.5 min
     #   --hidden N --layers N --threads N --rounds N --no-http --http-only (4b alone)
+    #   --fake-step MS (4b with a model-less engine: the serving path's own CPU per token)
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
@@ -124,9 +125,11 @@ class HttpContenders:
     """`omniflow serve` with the engine role, the bare HTTP server calling the engine directly,
     and the direct worker (engine alone), all on the same model."""
 
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(self, model: Path, threads: int, fake_step: float | None = None) -> None:
         env = {**os.environ, "OMNIFLOW_BENCH_MODEL": str(model)}
         env |= {"OMNIFLOW_BENCH_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        if fake_step is not None:
+            env["OMNIFLOW_BENCH_FAKE_STEP"] = str(fake_step)
         role_file = str(Path(__file__).parent / "engine_role.py")
         self.server = subprocess.Popen(
             [sys.executable, "-m", "omniflow", "serve", role_file, "--port", "0"],
@@ -265,6 +268,13 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--http-only", action="store_true", help="measure 4b only")
+    ap.add_argument(
+        "--fake-step",
+        type=float,
+        metavar="MS",
+        help="4b only, with engine_role.StepClock (a token per request every MS ms, no model) "
+        "instead of the model: the loop-thread CPU columns are then the serving path's alone",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n_decode = 64 if args.quick else 128
@@ -275,8 +285,9 @@ async def main() -> None:
         path = make_tiny_model(
             Path(tmp) / "m", hidden_size=args.hidden, layers=args.layers, heads=8, kv_heads=4
         )
-        if args.http_only:
-            await measure_http(path, args.threads, k, n_decode, plen, rounds)
+        if args.http_only or args.fake_step is not None:
+            fake = None if args.fake_step is None else args.fake_step / 1000
+            await measure_http(path, args.threads, k, n_decode, plen, rounds, fake)
             return
         from transformers import AutoModelForCausalLM
 
@@ -367,10 +378,16 @@ async def main() -> None:
 
 
 async def measure_http(
-    path: Path, threads: int, k: int, n_decode: int, plen: int, rounds: int
+    path: Path,
+    threads: int,
+    k: int,
+    n_decode: int,
+    plen: int,
+    rounds: int,
+    fake_step: float | None = None,
 ) -> None:
     """4b: over HTTP, three processes of their own, in alternating order."""
-    procs = HttpContenders(path, threads)
+    procs = HttpContenders(path, threads, fake_step)
     try:
         await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
         await procs.bare_http(2, 4, plen)
@@ -393,7 +410,9 @@ async def measure_http(
 
     def versus(rates: list[float], name: str, what: str, goal: str) -> str:
         over = [100 * (1 - a / b) for a, b in zip(http, rates, strict=True)]
-        c_over = [100 * (a / b - 1) for a, b in zip(cpu["serve"], cpu[name], strict=True)]
+        # (the process total is in clock ticks: a model-less engine may show none)
+        c_over = [100 * (a / b - 1) for a, b in zip(cpu["serve"], cpu[name], strict=True) if b]
+        c_over = c_over or [float("nan")]
         l_over = [1000 * (a - b) for a, b in zip(loop["serve"], loop[name], strict=True)]
         return (
             f"   vs {what} {statistics.median(rates):.0f} tok/s -> "

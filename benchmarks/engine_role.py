@@ -36,7 +36,53 @@ def prompts(k: int, plen: int) -> list[list[int]]:
     return [[5 + (i * 7 + j) % 300 for j in range(plen)] for i in range(k)]
 
 
-def make_engine() -> of.TorchEngine:
+class StepClock:
+    """A stand-in for the engine with no model (``OMNIFLOW_BENCH_FAKE_STEP=<seconds>``): every
+    step, one token for each running request, all delivered in one loop turn as TorchEngine
+    delivers a step's tokens. With no forward pass and no engine thread, the event-loop
+    thread's CPU per token is the serving path's own cost and nothing else."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self._running: set[asyncio.Queue[_Token]] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def generate(self, req: of.GenerateRequest) -> AsyncIterator[_Token]:
+        queue: asyncio.Queue[_Token] = asyncio.Queue()
+        self._running.add(queue)
+        try:
+            for _ in range(req.sampling.max_new_tokens):
+                yield await queue.get()
+        finally:
+            self._running.discard(queue)
+
+    async def _run(self) -> None:
+        token = 0
+        while True:
+            await asyncio.sleep(self.step)
+            token = (token + 1) % 300
+            for queue in self._running:
+                queue.put_nowait(_Token(token))
+
+
+class _Token:
+    __slots__ = ("token_id",)
+
+    def __init__(self, token_id: int) -> None:
+        self.token_id = token_id
+
+
+def make_engine() -> Any:
+    """The process's engine: a TorchEngine on ``$OMNIFLOW_BENCH_MODEL``, or a ``StepClock``."""
+    if "OMNIFLOW_BENCH_FAKE_STEP" in os.environ:
+        return StepClock(float(os.environ["OMNIFLOW_BENCH_FAKE_STEP"]))
     torch.set_num_threads(int(os.environ.get("OMNIFLOW_BENCH_THREADS", "2")))
     return of.TorchEngine(
         os.environ["OMNIFLOW_BENCH_MODEL"], max_batch=16, max_step_tokens=2112, pool_pages=2048
