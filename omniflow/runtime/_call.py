@@ -103,21 +103,21 @@ class Call:
         return self._done.is_set()
 
     def _push(self, frames: Sequence[tuple[str, Any, str, int]]) -> None:
-        out: list[Frame] = []
-        append = out.append
-        for f, v, n, s in frames:
-            # ``Frame(f, v, n, s)`` without the frozen dataclass's four ``object.__setattr__``
-            # calls (once per frame a caller receives).
-            fr = _alloc(Frame)
-            _set_field(fr, f)
-            _set_value(fr, v)
-            _set_node(fr, n)
-            _set_seq(fr, s)
-            append(fr)
         sink = self._sink
-        if sink is not None and not self._frames and sink(out):
-            return  # taken in the producer's turn: nothing queued, no reader to wake
-        self._frames.extend(out)
+        if sink is not None and not self._frames:
+            out = [_new_frame(f, v, n, s) for f, v, n, s in frames]
+            if sink(out):
+                return  # taken in the producer's turn: nothing queued, no reader to wake
+            self._frames.extend(out)
+        else:
+            append = self._frames.append
+            for f, v, n, s in frames:  # (``_new_frame``, inlined: once per frame delivered)
+                fr = _alloc(Frame)
+                _set_field(fr, f)
+                _set_value(fr, v)
+                _set_node(fr, n)
+                _set_seq(fr, s)
+                append(fr)
         self._wake()
 
     def deliver(self, sink: Callable[[list[Frame]], bool] | None) -> None:
@@ -272,3 +272,14 @@ _alloc = object.__new__
 _set_field, _set_value, _set_node, _set_seq = (
     vars(Frame)[name].__set__ for name in ("field", "value", "node", "seq")
 )
+
+
+def _new_frame(field: str, value: Any, node: str, seq: int) -> Frame:
+    """``Frame(field, value, node, seq)`` without the frozen dataclass's four
+    ``object.__setattr__`` calls (once per frame a caller receives)."""
+    fr = _alloc(Frame)
+    _set_field(fr, field)
+    _set_value(fr, value)
+    _set_node(fr, node)
+    _set_seq(fr, seq)
+    return fr
