@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~1.5 min
     #   --hidden N --layers N --threads N --rounds N --no-http --http-only (4b alone)
     #   --fake-step MS (4b with a model-less engine: the serving path's own CPU per token)
+    #   --base CHECKOUT (4b also serves with the omniflow of another checkout, same rounds)
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
@@ -123,9 +124,12 @@ class _Http:
 
 class HttpContenders:
     """`omniflow serve` with the engine role, the bare HTTP server calling the engine directly,
-    and the direct worker (engine alone), all on the same model."""
+    and the direct worker (engine alone), all on the same model; with ``base``, also
+    `omniflow serve` of the omniflow in that checkout (same role file)."""
 
-    def __init__(self, model: Path, threads: int, fake_step: float | None = None) -> None:
+    def __init__(
+        self, model: Path, threads: int, fake_step: float | None = None, base: Path | None = None
+    ) -> None:
         env = {**os.environ, "OMNIFLOW_BENCH_MODEL": str(model)}
         env |= {"OMNIFLOW_BENCH_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
         if fake_step is not None:
@@ -143,9 +147,16 @@ class HttpContenders:
             [sys.executable, role_file, "--direct"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
         )  # fmt: skip
+        self.base: subprocess.Popen[bytes] | None = None
+        if base is not None:
+            self.base = subprocess.Popen(
+                [sys.executable, "-m", "omniflow", "serve", role_file, "--port", "0"],
+                stdout=subprocess.PIPE, cwd=base, env={**env, "PYTHONPATH": str(base)},
+            )  # fmt: skip
         self.url = self._line(self.server, r"http://\S+")
         self.bare_url = self._line(self.bare, r"http://\S+")
         self._line(self.worker, r"ready")
+        self.base_url = None if self.base is None else self._line(self.base, r"http://\S+")
 
     @staticmethod
     def _line(proc: subprocess.Popen[bytes], pattern: str) -> str:
@@ -179,6 +190,9 @@ class HttpContenders:
     async def bare_http(self, k: int, n: int, plen: int) -> float:
         return await self.http(k, n, plen, self.bare_url)
 
+    async def base_http(self, k: int, n: int, plen: int) -> float:
+        return await self.http(k, n, plen, self.base_url)
+
     async def direct(self, k: int, n: int, plen: int) -> float:
         assert self.worker.stdin is not None and self.worker.stdout is not None
         self.worker.stdin.write(f"{k} {n} {plen}\n".encode())
@@ -187,8 +201,10 @@ class HttpContenders:
         return float(line)
 
     async def close(self) -> None:
-        for proc in (self.server, self.bare, self.worker):
-            if proc is not self.server and proc.stdin is not None:
+        for proc in (self.server, self.bare, self.worker, self.base):
+            if proc is None:
+                continue
+            if proc in (self.bare, self.worker) and proc.stdin is not None:
                 proc.stdin.close()
             else:
                 proc.terminate()
@@ -269,6 +285,13 @@ async def main() -> None:
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--http-only", action="store_true", help="measure 4b only")
     ap.add_argument(
+        "--base",
+        type=Path,
+        metavar="CHECKOUT",
+        help="4b also runs `omniflow serve` of the omniflow in CHECKOUT (e.g. a worktree of "
+        "main) in the same rounds: a change to serving compared round by round",
+    )
+    ap.add_argument(
         "--fake-step",
         type=float,
         metavar="MS",
@@ -287,7 +310,7 @@ async def main() -> None:
         )
         if args.http_only or args.fake_step is not None:
             fake = None if args.fake_step is None else args.fake_step / 1000
-            await measure_http(path, args.threads, k, n_decode, plen, rounds, fake)
+            await measure_http(path, args.threads, k, n_decode, plen, rounds, fake, args.base)
             return
         from transformers import AutoModelForCausalLM
 
@@ -373,7 +396,7 @@ async def main() -> None:
         await engine.stop()
 
         if not args.no_http:
-            await measure_http(path, args.threads, k, n_decode, plen, rounds)
+            await measure_http(path, args.threads, k, n_decode, plen, rounds, None, args.base)
         print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
@@ -385,15 +408,18 @@ async def measure_http(
     plen: int,
     rounds: int,
     fake_step: float | None = None,
+    base: Path | None = None,
 ) -> None:
-    """4b: over HTTP, three processes of their own, in alternating order."""
-    procs = HttpContenders(path, threads, fake_step)
+    """4b: over HTTP, three processes of their own (four with ``base``), in alternating
+    order."""
+    procs = HttpContenders(path, threads, fake_step, base)
     try:
         await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
         await procs.bare_http(2, 4, plen)
         await procs.direct(2, 4, plen)
         toks = k * n_decode
-        cpu: dict[str, list[float]] = {name: [] for name in ("serve", "bare", "alone")}
+        names = ("serve", "bare", "alone") + (("base",) if base is not None else ())
+        cpu: dict[str, list[float]] = {name: [] for name in names}
         loop: dict[str, list[float]] = {name: [] for name in cpu}
         pids = {"serve": procs.server.pid, "bare": procs.bare.pid, "alone": procs.worker.pid}
         runs = {
@@ -401,12 +427,17 @@ async def measure_http(
             "bare": lambda: procs.bare_http(k, n_decode, plen),
             "alone": lambda: procs.direct(k, n_decode, plen),
         }
-        http, bare, alone = await interleaved(
+        if procs.base is not None:
+            await procs.base_http(2, 4, plen)
+            pids["base"] = procs.base.pid
+            runs["base"] = lambda: procs.base_http(k, n_decode, plen)
+        rates = await interleaved(
             rounds,
             *(with_cpu(runs[c], pids[c], toks, cpu[c], loop[c]) for c in cpu),
         )
     finally:
         await procs.close()
+    http, bare, alone = rates[:3]
 
     def versus(rates: list[float], name: str, what: str, goal: str) -> str:
         over = [100 * (1 - a / b) for a, b in zip(http, rates, strict=True)]
@@ -433,6 +464,8 @@ async def measure_http(
         + versus(alone, "alone", "the engine alone, no HTTP", ""),
         flush=True,
     )
+    if base is not None:
+        print(versus(rates[3], "base", f"omniflow serve of {base}", ""), flush=True)
 
 
 def bench_graph(engine: of.TorchEngine) -> of.Graph:
