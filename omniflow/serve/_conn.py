@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+# h11's private writer class tells whether the body is chunked; if h11 ever moves it, the
+# chunk writer says no and every chunk goes through ASGI (tests/serve/test_conn.py fails).
 from h11._writers import ChunkedWriter
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
@@ -216,9 +219,10 @@ class _Protocol(H11Protocol):
             self.tracker.waiting.pop(self, None)
             cycle = self.cycle
             # (The app's task has not run yet: it sees the extension from its first step.)
-            cycle.scope.setdefault("extensions", {})[WRITE_BODY] = self._body_writer(cycle)
+            extensions = cast("dict[str, Any]", cycle.scope.setdefault("extensions", {}))
+            extensions[WRITE_BODY] = self._body_writer(cycle)
 
-    def _body_writer(self, cycle: RequestResponseCycle) -> Any:
+    def _body_writer(self, cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
         raw = self._lingering._t
         flow = self.flow
 

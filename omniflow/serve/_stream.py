@@ -278,8 +278,10 @@ class NdjsonCallResponse(CallResponse):
         super().__init__(state, call)
         #: The task holds frames taken from the call and not yet written.
         self._holding = False
-        self._n = 0  #: frames written
-        self._nbytes = 0  #: body bytes written (frame lines)
+        #: Frames written, either way.
+        self._n = 0
+        #: Body bytes of the frame lines written, either way.
+        self._nbytes = 0
 
     def _take(self, frames: list[Frame]) -> bool:
         """The call's sink: write ``frames`` now, or False (then they are queued)."""
