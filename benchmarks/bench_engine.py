@@ -3,6 +3,8 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py            # ~4 min on 2 cores
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, ~1.5 min
     #   --hidden N --layers N --threads N --rounds N --no-http --http-only (4b alone)
+    #   --fake-step MS (4b with a model-less engine: the serving path's own CPU per token)
+    #   --base CHECKOUT (4b also serves with the omniflow of another checkout, same rounds)
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
@@ -14,8 +16,12 @@ Measures (goals from issue 13):
      a. in-process: rt.call on an of.Runtime in this process vs engine.generate here;
      b. over HTTP: an `omniflow serve benchmarks/engine_role.py` process streaming NDJSON to a
         minimal asyncio HTTP client here, vs a process of its own calling the same engine
-        directly (benchmarks/engine_role.py --direct); both processes are up for the whole
-        measure, one works while the other waits.
+        directly and streaming the same bytes to the same client from a bare asyncio HTTP
+        server (benchmarks/engine_role.py --direct-http: no runtime, no ASGI, a socket write
+        per token): the same work on both sides, so the difference is what omniflow adds.
+        For reference, also vs the engine alone in a process that sends no token anywhere
+        (--direct): that gap includes the HTTP stream itself. All processes are up for the
+        whole measure, one works while the others wait.
 Every round runs every contender once, in alternating order (ABBA), so machine load hits them
 alike; ratios are the median of the per-round ratios, with their spread (min..max).
 """
@@ -117,22 +123,40 @@ class _Http:
 
 
 class HttpContenders:
-    """`omniflow serve` with the engine role, and the direct worker, both on the same model."""
+    """`omniflow serve` with the engine role, the bare HTTP server calling the engine directly,
+    and the direct worker (engine alone), all on the same model; with ``base``, also
+    `omniflow serve` of the omniflow in that checkout (same role file)."""
 
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(
+        self, model: Path, threads: int, fake_step: float | None = None, base: Path | None = None
+    ) -> None:
         env = {**os.environ, "OMNIFLOW_BENCH_MODEL": str(model)}
         env |= {"OMNIFLOW_BENCH_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        if fake_step is not None:
+            env["OMNIFLOW_BENCH_FAKE_STEP"] = str(fake_step)
         role_file = str(Path(__file__).parent / "engine_role.py")
         self.server = subprocess.Popen(
             [sys.executable, "-m", "omniflow", "serve", role_file, "--port", "0"],
             stdout=subprocess.PIPE, cwd=ROOT, env=env,
         )  # fmt: skip
+        self.bare = subprocess.Popen(
+            [sys.executable, role_file, "--direct-http"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
+        )  # fmt: skip
         self.worker = subprocess.Popen(
             [sys.executable, role_file, "--direct"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
         )  # fmt: skip
+        self.base: subprocess.Popen[bytes] | None = None
+        if base is not None:
+            self.base = subprocess.Popen(
+                [sys.executable, "-m", "omniflow", "serve", role_file, "--port", "0"],
+                stdout=subprocess.PIPE, cwd=base, env={**env, "PYTHONPATH": str(base)},
+            )  # fmt: skip
         self.url = self._line(self.server, r"http://\S+")
+        self.bare_url = self._line(self.bare, r"http://\S+")
         self._line(self.worker, r"ready")
+        self.base_url = None if self.base is None else self._line(self.base, r"http://\S+")
 
     @staticmethod
     def _line(proc: subprocess.Popen[bytes], pattern: str) -> str:
@@ -144,10 +168,11 @@ class HttpContenders:
             raise SystemExit(f"{proc.args} did not start: {line!r}")
         return m.group(0)
 
-    async def http(self, k: int, n: int, plen: int) -> float:
-        """``k`` concurrent streamed calls, each on a fresh connection (the server closes
-        keep-alive connections idle for 5 s, as long as the other contender's turn)."""
-        m = re.match(r"http://([^:/]+):(\d+)", self.url)
+    async def http(self, k: int, n: int, plen: int, url: str | None = None) -> float:
+        """``k`` concurrent streamed calls to ``url`` (default: the omniflow server), each on a
+        fresh connection (the server closes keep-alive connections idle for 5 s, as long as
+        the other contenders' turns)."""
+        m = re.match(r"http://([^:/]+):(\d+)", url or self.url)
         assert m is not None
         conns = [_Http(*await asyncio.open_connection(m[1], int(m[2]))) for _ in range(k)]
         try:
@@ -162,6 +187,12 @@ class HttpContenders:
         assert sum(counts) == k * n, counts
         return sum(counts) / dt
 
+    async def bare_http(self, k: int, n: int, plen: int) -> float:
+        return await self.http(k, n, plen, self.bare_url)
+
+    async def base_http(self, k: int, n: int, plen: int) -> float:
+        return await self.http(k, n, plen, self.base_url)
+
     async def direct(self, k: int, n: int, plen: int) -> float:
         assert self.worker.stdin is not None and self.worker.stdout is not None
         self.worker.stdin.write(f"{k} {n} {plen}\n".encode())
@@ -170,8 +201,10 @@ class HttpContenders:
         return float(line)
 
     async def close(self) -> None:
-        for proc in (self.server, self.worker):
-            if proc is self.worker and proc.stdin is not None:
+        for proc in (self.server, self.bare, self.worker, self.base):
+            if proc is None:
+                continue
+            if proc in (self.bare, self.worker) and proc.stdin is not None:
                 proc.stdin.close()
             else:
                 proc.terminate()
@@ -179,18 +212,16 @@ class HttpContenders:
 
 
 async def interleaved(
-    rounds: int, a: Callable[[], Awaitable[float]], b: Callable[[], Awaitable[float]]
-) -> tuple[list[float], list[float]]:
-    """``rounds`` runs of each, ABBA order (so a drift in load hits both alike)."""
-    xs, ys = [], []
+    rounds: int, *runs: Callable[[], Awaitable[float]]
+) -> tuple[list[float], ...]:
+    """``rounds`` runs of each, in order then reversed, alternately (ABBA for two: a drift in
+    load hits them all alike)."""
+    out: tuple[list[float], ...] = tuple([] for _ in runs)
     for r in range(rounds):
-        if r % 2 == 0:
-            xs.append(await a())
-            ys.append(await b())
-        else:
-            ys.append(await b())
-            xs.append(await a())
-    return xs, ys
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            out[i].append(await runs[i]())
+    return out
 
 
 def proc_cpu(pid: int) -> float:
@@ -253,6 +284,20 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--http-only", action="store_true", help="measure 4b only")
+    ap.add_argument(
+        "--base",
+        type=Path,
+        metavar="CHECKOUT",
+        help="4b also runs `omniflow serve` of the omniflow in CHECKOUT (e.g. a worktree of "
+        "main) in the same rounds: a change to serving compared round by round",
+    )
+    ap.add_argument(
+        "--fake-step",
+        type=float,
+        metavar="MS",
+        help="4b only, with engine_role.StepClock (a token per request every MS ms, no model) "
+        "instead of the model: the loop-thread CPU columns are then the serving path's alone",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n_decode = 64 if args.quick else 128
@@ -263,8 +308,9 @@ async def main() -> None:
         path = make_tiny_model(
             Path(tmp) / "m", hidden_size=args.hidden, layers=args.layers, heads=8, kv_heads=4
         )
-        if args.http_only:
-            await measure_http(path, args.threads, k, n_decode, plen, rounds)
+        if args.http_only or args.fake_step is not None:
+            fake = None if args.fake_step is None else args.fake_step / 1000
+            await measure_http(path, args.threads, k, n_decode, plen, rounds, fake, args.base)
             return
         from transformers import AutoModelForCausalLM
 
@@ -350,42 +396,76 @@ async def main() -> None:
         await engine.stop()
 
         if not args.no_http:
-            await measure_http(path, args.threads, k, n_decode, plen, rounds)
+            await measure_http(path, args.threads, k, n_decode, plen, rounds, None, args.base)
         print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
 async def measure_http(
-    path: Path, threads: int, k: int, n_decode: int, plen: int, rounds: int
+    path: Path,
+    threads: int,
+    k: int,
+    n_decode: int,
+    plen: int,
+    rounds: int,
+    fake_step: float | None = None,
+    base: Path | None = None,
 ) -> None:
-    """4b: over HTTP, two processes of their own, ABBA."""
-    procs = HttpContenders(path, threads)
+    """4b: over HTTP, three processes of their own (four with ``base``), in alternating
+    order."""
+    procs = HttpContenders(path, threads, fake_step, base)
     try:
         await procs.http(2, 4, plen)  # warm-up (connections, first compile paths)
+        await procs.bare_http(2, 4, plen)
         await procs.direct(2, 4, plen)
-        toks, c_http, c_dirp, l_http, l_dirp = k * n_decode, [], [], [], []
-        srv, wrk = procs.server.pid, procs.worker.pid
-        http, dir_p = await interleaved(
+        toks = k * n_decode
+        names = ("serve", "bare", "alone") + (("base",) if base is not None else ())
+        cpu: dict[str, list[float]] = {name: [] for name in names}
+        loop: dict[str, list[float]] = {name: [] for name in cpu}
+        pids = {"serve": procs.server.pid, "bare": procs.bare.pid, "alone": procs.worker.pid}
+        runs = {
+            "serve": lambda: procs.http(k, n_decode, plen),
+            "bare": lambda: procs.bare_http(k, n_decode, plen),
+            "alone": lambda: procs.direct(k, n_decode, plen),
+        }
+        if procs.base is not None:
+            await procs.base_http(2, 4, plen)
+            pids["base"] = procs.base.pid
+            runs["base"] = lambda: procs.base_http(k, n_decode, plen)
+        rates = await interleaved(
             rounds,
-            with_cpu(lambda: procs.http(k, n_decode, plen), srv, toks, c_http, l_http),
-            with_cpu(lambda: procs.direct(k, n_decode, plen), wrk, toks, c_dirp, l_dirp),
+            *(with_cpu(runs[c], pids[c], toks, cpu[c], loop[c]) for c in cpu),
         )
     finally:
         await procs.close()
-    over = [100 * (1 - a / b) for a, b in zip(http, dir_p, strict=True)]
-    c_over = [100 * (a / b - 1) for a, b in zip(c_http, c_dirp, strict=True)]
-    l_over = [a - b for a, b in zip(l_http, l_dirp, strict=True)]
+    http, bare, alone = rates[:3]
+
+    def versus(rates: list[float], name: str, what: str, goal: str) -> str:
+        over = [100 * (1 - a / b) for a, b in zip(http, rates, strict=True)]
+        # (the process total is in clock ticks: a model-less engine may show none)
+        c_over = [100 * (a / b - 1) for a, b in zip(cpu["serve"], cpu[name], strict=True) if b]
+        c_over = c_over or [float("nan")]
+        l_over = [1000 * (a - b) for a, b in zip(loop["serve"], loop[name], strict=True)]
+        return (
+            f"   vs {what} {statistics.median(rates):.0f} tok/s -> "
+            f"{statistics.median(over):+.1f}% slower [{spread(over, '{:+.1f}')}]{goal}; "
+            f"process CPU/token {statistics.median(cpu['serve']):.3f} vs "
+            f"{statistics.median(cpu[name]):.3f} ms -> {statistics.median(c_over):+.1f}% "
+            f"[{spread(c_over, '{:+.1f}')}]; event-loop thread CPU/token "
+            f"{1000 * statistics.median(loop['serve']):.1f} vs "
+            f"{1000 * statistics.median(loop[name]):.1f} us -> "
+            f"{statistics.median(l_over):+.1f} us [{spread(l_over, '{:+.1f}')}]"
+        )
+
     print(
         f"4b. as a role behind omniflow serve (HTTP, NDJSON stream): "
-        f"{statistics.median(http):.0f} tok/s vs direct in a process of its own "
-        f"{statistics.median(dir_p):.0f} tok/s -> {statistics.median(over):+.1f}% slower "
-        f"[{spread(over, '{:+.1f}')}] (goal <= 5%); server CPU per token "
-        f"{statistics.median(c_http):.3f} vs direct process {statistics.median(c_dirp):.3f}"
-        f" ms -> {statistics.median(c_over):+.1f}% [{spread(c_over, '{:+.1f}')}]; "
-        f"event-loop thread CPU per token {1000 * statistics.median(l_http):.1f} vs "
-        f"{1000 * statistics.median(l_dirp):.1f} us -> +{1000 * statistics.median(l_over):.1f} us "
-        f"[{spread([1000 * x for x in l_over], '{:+.1f}')}]",
+        f"{statistics.median(http):.0f} tok/s\n"
+        + versus(bare, "bare", "the engine directly behind a bare HTTP server", " (goal <= 5%)")
+        + "\n"
+        + versus(alone, "alone", "the engine alone, no HTTP", ""),
         flush=True,
     )
+    if base is not None:
+        print(versus(rates[3], "base", f"omniflow serve of {base}", ""), flush=True)
 
 
 def bench_graph(engine: of.TorchEngine) -> of.Graph:

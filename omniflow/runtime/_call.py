@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,8 @@ class Call:
         self.session = session
         self._inputs: dict[str, Any] | None = inputs
         self._frames: deque[Frame] = deque()
+        #: Takes frames in the producer's turn before they are queued (``deliver``), or None.
+        self._sink: Callable[[list[Frame]], bool] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._done = asyncio.Event()
         #: The scheduling core while the call runs (None before start and after the end).
@@ -101,17 +103,40 @@ class Call:
         return self._done.is_set()
 
     def _push(self, frames: Sequence[tuple[str, Any, str, int]]) -> None:
-        append = self._frames.append
-        for f, v, n, s in frames:
-            # ``Frame(f, v, n, s)`` without the frozen dataclass's four ``object.__setattr__``
-            # calls (once per frame a caller receives).
-            fr = _alloc(Frame)
-            _set_field(fr, f)
-            _set_value(fr, v)
-            _set_node(fr, n)
-            _set_seq(fr, s)
-            append(fr)
+        sink = self._sink
+        if sink is not None and not self._frames:
+            out = [_new_frame(f, v, n, s) for f, v, n, s in frames]
+            if sink(out):
+                return  # taken in the producer's turn: nothing queued, no reader to wake
+            self._frames.extend(out)
+        else:
+            append = self._frames.append
+            for f, v, n, s in frames:  # (``_new_frame``, inlined: once per frame delivered)
+                fr = _alloc(Frame)
+                _set_field(fr, f)
+                _set_value(fr, v)
+                _set_node(fr, n)
+                _set_seq(fr, s)
+                append(fr)
         self._wake()
+
+    def deliver(self, sink: Callable[[list[Frame]], bool] | None) -> None:
+        """Offer frames to ``sink`` as they arrive, before queueing them for the iterator.
+
+        >>> call.deliver(lambda frames: write_now(frames))      # doctest: +SKIP
+
+        ``sink(frames)`` runs synchronously in the producer's turn with the frames of one
+        delivery; True: it took them (they never reach the iterator), False: they are queued
+        and the iterator returns them as usual. It is offered frames only while nothing is
+        queued, so the frames a caller gets, whichever way each goes, are in the call's order;
+        a reader that takes frames from the iterator and has not finished writing them must
+        make ``sink`` refuse until it has (else a later frame would overtake them). Queued
+        frames count against ``high_water`` as before, so a sink that refuses while its
+        consumer is slow keeps the producers' backpressure. The iterator still ends the
+        stream. ``sink`` must not raise (it runs inside the runtime's delivery) and must not
+        await. ``None`` removes it.
+        """
+        self._sink = sink
 
     def _wake(self) -> None:
         w = self._waiter
@@ -126,6 +151,7 @@ class Call:
             self.warnings = list(self.core.warnings)
         self.core = None
         self._inputs = None
+        self._sink = None
         self._done.set()
         self._wake()
 
@@ -246,3 +272,14 @@ _alloc = object.__new__
 _set_field, _set_value, _set_node, _set_seq = (
     vars(Frame)[name].__set__ for name in ("field", "value", "node", "seq")
 )
+
+
+def _new_frame(field: str, value: Any, node: str, seq: int) -> Frame:
+    """``Frame(field, value, node, seq)`` without the frozen dataclass's four
+    ``object.__setattr__`` calls (once per frame a caller receives)."""
+    fr = _alloc(Frame)
+    _set_field(fr, field)
+    _set_value(fr, value)
+    _set_node(fr, node)
+    _set_seq(fr, seq)
+    return fr

@@ -25,19 +25,34 @@ has no request running (waiting or in headers); when every connection runs a req
 one gets a 503 and is closed. Idle clients therefore never lock out a new one (``/healthz``
 stays reachable with any number of idle connections open), and only running requests count
 against the cap.
+
+A streaming response's body chunks have a short way out: each request's scope carries the
+extension ``WRITE_BODY`` (``scope["extensions"]["omniflow.write_body"]``), a synchronous
+``write(chunk) -> bool`` that frames the chunk as HTTP/1.1 chunked encoding, exactly the bytes
+h11 would write, and hands it to the socket at once. It returns False (the caller then uses
+the ASGI ``send``) whenever it is not that simple: the response has not started or is
+complete, its body is not chunked (HTTP/1.0 peer, a Content-Length, HEAD), the client is gone,
+or the socket's buffer is full (``send`` waits for it to drain: backpressure is unchanged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+# h11's private writer class tells whether the body is chunked; if h11 ever moves it, the
+# chunk writer says no and every chunk goes through ASGI (tests/serve/test_conn.py fails).
+from h11._writers import ChunkedWriter
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from omniflow.serve._limits import Limits
 
-__all__ = ["LINGER_SECONDS", "ConnectionTracker", "protocol_class"]
+__all__ = ["LINGER_SECONDS", "WRITE_BODY", "ConnectionTracker", "protocol_class"]
+
+#: The scope extension of the synchronous body-chunk writer (see the module docstring).
+WRITE_BODY = "omniflow.write_body"
 
 #: How long a closing connection keeps discarding what its client still sends.
 LINGER_SECONDS = 2.0
@@ -202,6 +217,32 @@ class _Protocol(H11Protocol):
             self._in_headers = False
             self._disarm()
             self.tracker.waiting.pop(self, None)
+            cycle = self.cycle
+            # (The app's task has not run yet: it sees the extension from its first step.)
+            extensions = cast("dict[str, Any]", cycle.scope.setdefault("extensions", {}))
+            extensions[WRITE_BODY] = self._body_writer(cycle)
+
+    def _body_writer(self, cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
+        raw = self._lingering._t
+        flow = self.flow
+
+        def write_body(chunk: bytes) -> bool:
+            if (
+                not chunk
+                or cycle is not self.cycle
+                or not cycle.response_started
+                or cycle.response_complete
+                or cycle.disconnected
+                or flow.write_paused
+                or self._lingering.lingering
+                or raw.is_closing()
+                or type(getattr(cycle.conn, "_writer", None)) is not ChunkedWriter
+            ):
+                return False
+            raw.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))  # h11's ChunkedWriter framing
+            return True
+
+        return write_body
 
     def on_response_complete(self) -> None:
         if self._counted:  # back to waiting (at the end: the oldest are evicted first)

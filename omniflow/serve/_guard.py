@@ -13,6 +13,11 @@ Then the route runs with a ``receive`` that counts body bytes and watches the cl
 body passing ``max_body_bytes`` ends the request with 413 at once, a body not complete
 ``body_timeout`` seconds after the request arrived ends it with 408. Both answers carry
 ``Connection: close`` (the rest of the body is never read).
+
+The guard (like Starlette's own wrappers inside it) only needs to see a response's
+``http.response.start``; it puts the ``send`` it was given in the scope (``BODY_SEND``) so
+that a streaming response can send its body chunks past the wrappers, after its start went
+through them all (``_stream.CallResponse``): one wrapped call per response, not per token.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ if TYPE_CHECKING:
 
     from omniflow.serve._state import ServeState
 
-__all__ = ["OPEN_PATHS", "Guard"]
+__all__ = ["BODY_SEND", "OPEN_PATHS", "Guard"]
+
+#: Scope key of the ``send`` below the app's middleware wrappers (for body chunks only).
+BODY_SEND = "omniflow.body_send"
 
 #: Paths answered without an API key, whatever the Host or Origin.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -127,6 +135,7 @@ class Guard:
         if refusal is not None:
             await refusal(scope, receive, counting_send)
             return
+        scope[BODY_SEND] = send
         try:
             await self.app(scope, self._bounded(receive), counting_send)
         except _Refused as exc:

@@ -230,7 +230,7 @@ class ChatStreamResponse(CallResponse):
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         first = delta({"role": "assistant", "content": ""})
         http.bytes_out += len(first)
-        await send({"type": "http.response.body", "body": first, "more_body": True})
+        await self.send_chunk(first)
         n = 0
         tally = _Usage()
         async with contextlib.aclosing(_text_frames(self, tally)) as texts:
@@ -238,7 +238,7 @@ class ChatStreamResponse(CallResponse):
                 if self.disconnected:
                     continue
                 chunk = delta({"content": frame})
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await self.send_chunk(chunk)
                 n += 1
                 http.bytes_out += len(chunk)
         http.frames_out[call.graph] = http.frames_out.get(call.graph, 0) + n

@@ -11,7 +11,11 @@ from admission when the response returns.
 
 NDJSON stream (``"stream": true``), one line per frame as soon as the runtime delivers it; the
 frames already queued for the call when one is written go out with it in the same chunk (one
-``send`` for all of them, never waiting for more)::
+``send`` for all of them, never waiting for more). The response start goes through every
+middleware (they count and check it); body chunks take the short way out: the server's
+synchronous chunk writer when it offers one (``_conn.WRITE_BODY``: straight to the socket
+while its buffer has room), else the ``send`` below the middleware wrappers
+(``_guard.BODY_SEND``), so a token costs one write, not five nested ``send`` calls::
 
     {"field":"token","value":"txt0:6","node":"llm.generate","seq":0}
     ...
@@ -37,11 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from omniflow.runtime import Call, Frame
 from omniflow.serve._codec import ValueEncodingError, dumps
+from omniflow.serve._conn import WRITE_BODY
+from omniflow.serve._guard import BODY_SEND
 from omniflow.serve._logging import log_call_end
 
 if TYPE_CHECKING:
@@ -146,10 +152,16 @@ class CallResponse:
         self.disconnected = False
         #: Frame values that had no JSON form, as error-list entries.
         self.extra_errors: list[dict[str, Any]] = []
+        #: The ``send`` for body chunks once the start went out (below the middleware).
+        self.send_body: Send | None = None
+        #: The server's synchronous chunk writer (``_conn.WRITE_BODY``), or None.
+        self.write_body: Callable[[bytes], bool] | None = None
         self._complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self.call
+        self.send_body = scope.get(BODY_SEND, send)
+        self.write_body = (scope.get("extensions") or {}).get(WRITE_BODY)
         watcher = asyncio.get_running_loop().create_task(self._watch(receive))
         try:
             await self.respond(send)
@@ -166,6 +178,15 @@ class CallResponse:
 
     async def respond(self, send: Send) -> None:
         raise NotImplementedError
+
+    async def send_chunk(self, chunk: bytes) -> None:
+        """One body chunk, more to follow (after the response start went through ``send``):
+        see the module docstring for the way it takes."""
+        write = self.write_body
+        if write is None or not write(chunk):
+            send = self.send_body
+            assert send is not None  # set before respond runs
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def raw_frames(self) -> AsyncGenerator[Frame, None]:
         """The call's frames. Iterate under ``contextlib.aclosing`` so that leaving early
@@ -242,24 +263,65 @@ _NDJSON_HEADERS = [
 
 
 class NdjsonCallResponse(CallResponse):
-    """``application/x-ndjson``: one line per frame as produced, then the done line."""
+    """``application/x-ndjson``: one line per frame as produced, then the done line.
+
+    While the client keeps up, a frame's line is written in the producer's turn
+    (``Call.deliver``): the runtime hands the frames to ``_take``, which writes them with the
+    server's chunk writer at once, and the response's task is not woken per frame. Whenever
+    that is not possible (no chunk writer, a full socket buffer, the client gone, a value with
+    no JSON form) ``_take`` refuses, the frames queue in the call, and the task writes them
+    through ASGI as before; while it holds frames it has not finished writing, ``_take``
+    refuses too, so no frame overtakes another.
+    """
+
+    def __init__(self, state: ServeState, call: Call) -> None:
+        super().__init__(state, call)
+        #: The task holds frames taken from the call and not yet written.
+        self._holding = False
+        #: Frames written, either way.
+        self._n = 0
+        #: Body bytes of the frame lines written, either way.
+        self._nbytes = 0
+
+    def _take(self, frames: list[Frame]) -> bool:
+        """The call's sink: write ``frames`` now, or False (then they are queued)."""
+        write = self.write_body
+        if write is None or self._holding or self.disconnected:
+            return False
+        try:
+            chunk = frame_lines([(frame, dumps(frame.value)) for frame in frames])
+        except Exception:  # ValueEncodingError, or anything else: the task's way reports it
+            return False
+        if not write(chunk):
+            return False
+        self._n += len(frames)
+        self._nbytes += len(chunk)
+        return True
 
     async def respond(self, send: Send) -> None:
-        http, graph = self.state.http, self.call.graph
+        http, graph, call = self.state.http, self.call.graph, self.call
         await send({"type": "http.response.start", "status": 200, "headers": _NDJSON_HEADERS})
-        n = nbytes = 0
+        write, send_body = self.write_body, self.send_body
+        assert send_body is not None  # set before respond runs
+        if write is not None:
+            call.deliver(self._take)
         try:
             async with contextlib.aclosing(self.batches()) as batches:
                 async for batch in batches:
                     if self.disconnected:
                         continue
                     chunk = frame_lines(batch)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    n += len(batch)
-                    nbytes += len(chunk)
+                    if not write or not write(chunk):  # (send_chunk, inlined)
+                        self._holding = True
+                        message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                        await send_body(message)
+                        self._holding = False
+                    self._n += len(batch)
+                    self._nbytes += len(chunk)
         finally:
-            http.frames_out[graph] = http.frames_out.get(graph, 0) + n
-            http.bytes_out += nbytes
+            call.deliver(None)
+            http.frames_out[graph] = http.frames_out.get(graph, 0) + self._n
+            http.bytes_out += self._nbytes
         await self._finish(send, done_line(self.call, self.extra_errors))
 
 

@@ -5,6 +5,7 @@ fault injection, backpressure, options)."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,64 @@ async def test_a_slow_reader_holds_back_a_stream_producer(runtime: Any) -> None:
     quiet = rt.call("bp", {"n": 50})
     assert await asyncio.wait_for(quiet.wait(), 5) == "ok"
     assert len([f async for f in quiet]) == 50
+
+
+class _Counter(of.Role):
+    """Yields ``n`` frames; every third one after a loop turn (the reader runs meanwhile)."""
+
+    def __init__(self, produced: list[int] | None = None) -> None:
+        self.produced = produced if produced is not None else []
+
+    @of.interface(inputs_or=[["n"]], outputs=["x"])
+    async def gen(self, n: int) -> Any:
+        for i in range(n):
+            if i % 3 == 0:
+                await asyncio.sleep(0)
+            self.produced.append(i)
+            yield {"x": i}
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_a_sink_takes_frames_in_the_producers_turn_in_order(runtime: Any, seed: int) -> None:
+    g = of.Graph("sink", roles={"g": _Counter()}, inputs=[of.Placeholder("n")], outputs=["x"])
+    rt = await runtime(g, stream_high_water=8)
+    call = rt.call("sink", {"n": 300})
+    rng = random.Random(seed)
+    got: list[int] = []
+    taken = 0
+
+    def sink(frames: list[of.Frame]) -> bool:
+        nonlocal taken
+        assert call.buffered == 0  # offered only while nothing is queued
+        if rng.random() < 0.5:
+            return False
+        got.extend(f.value for f in frames)
+        taken += len(frames)
+        return True
+
+    call.deliver(sink)
+    async for frame in call:  # the reader gets what the sink refused
+        got.append(frame.value)
+    assert got == list(range(300))
+    assert 0 < taken < 300
+    assert call.status == "ok"
+
+
+async def test_a_refusing_sink_keeps_the_producers_backpressure(runtime: Any) -> None:
+    produced: list[int] = []
+    g = of.Graph(
+        "bp2", roles={"g": _Counter(produced)}, inputs=[of.Placeholder("n")], outputs=["x"]
+    )
+    rt = await runtime(g, stream_high_water=8)
+    call = rt.call("bp2", {"n": 100})
+    call.deliver(lambda frames: False)
+    it = call.__aiter__()
+    first = await it.__anext__()
+    for _ in range(30):
+        await asyncio.sleep(0)
+    assert first.value == 0
+    assert len(produced) <= 10  # the producer waits for the reader
+    assert [f.value async for f in it] == list(range(1, 100))
 
 
 async def test_a_node_cancelled_by_something_else_does_not_end_the_call_ok(runtime: Any) -> None:

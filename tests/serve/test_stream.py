@@ -1,5 +1,6 @@
 """The NDJSON writer coalesces frames that are already queued into one chunk: nothing lost,
-nothing reordered, nothing held back."""
+nothing reordered, nothing held back; frames written in the producer's turn (the server's
+chunk writer, ``Call.deliver``) and frames queued for the response's task mix in order."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from omniflow.runtime import Frame
 from omniflow.serve import create_app
+from omniflow.serve._conn import WRITE_BODY
 from omniflow.serve._stream import BATCH_MAX, frame_line, frame_lines
 
 BURST = str(Path(__file__).with_name("_burst.py"))
@@ -28,8 +30,10 @@ values = st.one_of(
 plans = st.lists(st.tuples(st.sampled_from(["a", "b"]), values), min_size=1, max_size=300)
 
 
-async def _post(plan: list[tuple[str, Any]]) -> list[bytes]:
-    """The body chunks of one streamed call of ``burst``, through the whole ASGI app."""
+async def _post(plan: list[tuple[str, Any]], accept: list[bool] | None = None) -> list[bytes]:
+    """The body chunks of one streamed call of ``burst``, through the whole ASGI app. With
+    ``accept``, the scope offers a chunk writer (``WRITE_BODY``) that takes a chunk or
+    refuses it (a full socket) in that cyclic pattern."""
     app = create_app([BURST])
     body = json.dumps({"inputs": {"plan": plan}, "stream": True}).encode()
     scope = {
@@ -42,6 +46,16 @@ async def _post(plan: list[tuple[str, Any]]) -> list[bytes]:
     }  # fmt: skip
     sent: list[dict[str, Any]] = []
     request = [{"type": "http.request", "body": body, "more_body": False}]
+    if accept is not None:
+        turn = iter(accept * (len(plan) + 2))
+
+        def write_body(chunk: bytes) -> bool:
+            if not sent or not chunk or not next(turn, True):  # not started, or "full"
+                return False
+            sent.append({"type": "http.response.body", "body": chunk, "more_body": True})
+            return True
+
+        scope["extensions"] = {WRITE_BODY: write_body}
 
     async def receive() -> dict[str, Any]:
         if request:
@@ -50,6 +64,8 @@ async def _post(plan: list[tuple[str, Any]]) -> list[bytes]:
         raise AssertionError("unreachable")
 
     async def send(message: dict[str, Any]) -> None:
+        if accept is not None and message["type"] == "http.response.body":
+            await asyncio.sleep(0)  # a socket draining: producers run meanwhile
         sent.append(message)
 
     async with app.router.lifespan_context(app):
@@ -97,3 +113,25 @@ def test_frame_lines_is_frame_line_joined(frames: list[tuple[str, int, int]]) ->
         frames, b"".join(frame_line(*x) for x in fs).splitlines(), strict=True
     ):
         assert json.loads(line) == {"field": f, "value": v, "node": 'n.\u00e9"x', "seq": s}
+
+
+paused_plans = st.lists(
+    st.tuples(st.sampled_from(["a", "b"]), st.one_of(st.integers(), st.just("PAUSE"))),
+    min_size=1,
+    max_size=200,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(paused_plans, st.lists(st.booleans(), min_size=1, max_size=20))
+def test_frames_written_in_the_producers_turn_or_queued_arrive_all_in_order(
+    plan: list[tuple[str, Any]], accept: list[bool]
+) -> None:
+    chunks = asyncio.run(_post(plan, accept))
+    lines = [json.loads(x) for x in b"".join(chunks).splitlines()]
+    done = lines.pop()
+    frames = [(f, v) for f, v in plan if v != "PAUSE"]
+    assert [(ln["field"], ln["value"]) for ln in lines] == frames
+    assert [ln["seq"] for ln in lines] == list(range(len(frames)))
+    assert done["status"] == "ok"
+    assert all(c.endswith(b"\n") for c in chunks)
