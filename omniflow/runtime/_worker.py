@@ -489,11 +489,7 @@ class Worker:
 
     def _handle(self, peer: bytes | None, msg: Message) -> None:
         match msg:
-            case Run(fw=fw):
-                if fw and self._gone:  # a front that sends this routes there: it is back
-                    self._gone.difference_update(
-                        r[3] for r in fw if type(r) is list and len(r) > 3 and type(r[3]) is str
-                    )
+            case Run():
                 self._start(peer, _run_body(msg))
             case Forward(ft=ft, rid=rid):
                 front = self._front_peers.get(ft)
@@ -701,6 +697,8 @@ class Worker:
             except ValueError as exc:
                 self._dropped("malformed", TransportError(f"fast-path routes of a run: {exc}"))
             else:
+                if self._gone:  # a front that routes there again: the worker there is back
+                    self._gone.difference_update(r.address for r in routes)
                 if ft is not None:
                     self._fw[(peer, c, a)] = _Fw(routes, body, ft)
         method = self._methods.get(node)
@@ -771,6 +769,7 @@ class Worker:
             )  # fmt: skip
             try:
                 frames = encode_msg(msg)
+                self._link(route.address)  # (a link that cannot be made: not forwarded)
                 # Held until the received batch is handled, or to the end of this loop turn
                 # (a generator's frames of one turn leave together, as its frames to the front).
                 held = self._held_links
@@ -786,16 +785,21 @@ class Worker:
             x.append([r, wid])
         return x
 
-    def _link_send(self, address: str, frames: list[Any]) -> None:
+    def _link(self, address: str) -> _Link:
+        """The connection to the worker at ``address`` (made on first use)."""
         link = self._links.get(address)
         if link is None:
             link = self._links[address] = _Link(connect(address), Sealer(self._key))
-        if (
-            link.writer is None
-            and link.out.empty()
-            and link.endpoint.try_send(link.sealer.seal(frames))
-        ):
-            return
+        return link
+
+    def _link_send(self, address: str, frames: list[Any]) -> None:
+        """Send a batch of forwards down its link, in order behind what waits there; a link
+        that fails is logged by its writer (its worker is lost: the front fails what it held)."""
+        link = self._link(address)
+        if link.writer is None and link.out.empty():
+            with contextlib.suppress(TransportError, RuntimeClosedError):
+                if link.endpoint.try_send(link.sealer.seal(frames)):
+                    return
         link.out.put_nowait(frames)
         if link.writer is None:
             link.writer = asyncio.get_running_loop().create_task(self._link_write(link))
