@@ -37,13 +37,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from omniflow.transport import FAST_PATH_ENV, fast_path_enabled
-
 if TYPE_CHECKING:
     from omniflow.runtime._compiled import Compiled
 
-__all__ = ["FAST_PATH_ENV", "Hop", "Route", "fast_path_enabled", "hops", "parent_of",
-           "parse_routes", "wire_id"]  # fmt: skip
+__all__ = ["Hop", "Route", "Waiting", "hops", "parent_of", "parse_routes", "wire_id"]
 
 
 class Hop(NamedTuple):

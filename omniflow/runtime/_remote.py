@@ -56,7 +56,6 @@ from omniflow.runtime._fleet import Fleet, Replica
 from omniflow.runtime._forward import (
     Hop,
     Waiting,
-    fast_path_enabled,
     hops,
     parent_of,
     wire_id,
@@ -65,7 +64,7 @@ from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import ReplicaState
 from omniflow.transport._auth import resolve_key
-from omniflow.transport._fastpath import is_local
+from omniflow.transport._fastpath import fast_path_enabled, is_local
 from omniflow.transport._protocol import (
     Cancel,
     CloseSession,

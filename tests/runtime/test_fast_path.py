@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 import omniflow as of
 from omniflow.runtime._compiled import compile_plan
 from omniflow.runtime._forward import (
-    FAST_PATH_ENV,
     Hop,
     Route,
     Waiting,
@@ -30,6 +29,7 @@ from omniflow.runtime._forward import (
     parse_routes,
     wire_id,
 )
+from omniflow.transport import FAST_PATH_ENV
 
 from . import fast_graphs as fg
 

@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, Phase, assume, event, given, settings
 from hypothesis import strategies as st
 
 import omniflow as of
-from omniflow.runtime._forward import FAST_PATH_ENV
+from omniflow.transport import FAST_PATH_ENV
 
 from . import random_graph_module as rgm
 from .random_graph_module import N_CALLS, SESSION_FROM, VIOLATION, Model, NodeModel, World, build
