@@ -138,7 +138,10 @@ class Endpoint(ABC):
         self._check_open("recv")
         packets = await self._receiving(self._recv_batch())
         self._received += len(packets)
-        self._received_bytes += sum(_nbytes(p.frames) for p in packets)
+        nbytes = 0
+        for packet in packets:
+            nbytes += _nbytes(packet.frames)
+        self._received_bytes += nbytes
         return packets
 
     def try_send(self, frames: Sequence[Buffer], *, peer: bytes | None = None) -> bool:
@@ -147,8 +150,10 @@ class Endpoint(ABC):
         Never overtakes a ``send`` still waiting on this endpoint, so a caller that falls back
         to its own queue whenever this returns False keeps its messages in order.
         """
-        self._check_open("send")
-        self._check_send(frames, peer)
+        if self.state is EndpointState.CLOSED:
+            raise self._closed_error("send")
+        if not frames or (peer is None) is self.bound:
+            self._check_send(frames, peer)
         if not self._try_send(frames, peer):
             return False
         self._sent += 1
@@ -276,6 +281,9 @@ _TRANSPORTS: dict[str, Transport] = {}
 
 
 def _nbytes(frames: Sequence[Buffer]) -> int:
+    if len(frames) == 1:  # (most messages: one small frame)
+        f = frames[0]
+        return len(f) if type(f) is bytes else memoryview(f).nbytes
     return sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
 
 

@@ -83,6 +83,7 @@ __all__ = [
     "batch",
     "decode_inner",
     "decode_msg",
+    "encode_fields",
     "encode_msg",
     "kind_of",
 ]
@@ -348,6 +349,13 @@ def encode_msg(msg: Message) -> list[Buffer]:
     return encode(list(msg), kind=_KIND[type(msg)], pickle=True)
 
 
+def encode_fields(cls: Any, *fields: Any) -> list[Buffer]:
+    """The envelope of a ``cls`` message of which only the leading ``fields`` are given (the
+    others decode as their defaults): what ``encode_msg(cls(*fields))`` carries, without
+    building the message, in fewer bytes (the hot path's frames, dones and forwards)."""
+    return encode(list(fields), kind=_KIND[cls], pickle=True)
+
+
 def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
     """The message in already authenticated ``frames``; ProtocolError for anything else.
 
@@ -387,7 +395,9 @@ def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
 def batch(items: list[list[Buffer]]) -> list[list[Buffer]]:
     """The messages ``items`` (encoded envelopes, in order) as few messages as can carry them:
     runs of single-frame envelopes become ``Batch`` messages of at most MAX_BATCH; a message
-    with out-of-band frames goes alone, in its place."""
+    with out-of-band frames goes alone, in its place (one message: ``items`` itself)."""
+    if len(items) == 1:
+        return items
     out: list[list[Buffer]] = []
     run: list[bytes] = []
 

@@ -51,7 +51,7 @@ import socket as _socket
 import uuid
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from omniflow._exceptions import TransportError
 from omniflow.transport._base import (
@@ -178,26 +178,54 @@ class _UdsEndpoint(Endpoint):
             loop.add_writer(conn.fd, self._flush, conn)
             conn.writing = True
 
+    def _push(self, conn: Conn | None, outbox: Outbox, msg: tuple[list[Any], int]) -> None:
+        """Queue ``msg`` (there is room) and write what the socket takes. With nothing queued
+        before it (the common case) it goes out in one ``sendmsg`` and is never queued."""
+        queue = outbox.queue
+        if conn is None or conn.writing or queue:
+            queue.append(msg)
+            if conn is not None and not conn.writing:
+                self._flush(conn)
+            return
+        try:
+            n = conn.sock.sendmsg(msg[0], (), MSG_NOSIGNAL)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            queue.append(msg)  # (as if queued first: a reconnecting dealer sends it later)
+            self._lost(conn, f"writing failed: {exc}")
+            return
+        if n == msg[1]:
+            return
+        queue.append(msg)
+        outbox.head_sent = n  # the rest follows on this connection, when it has room
+        loop = self._loop
+        if loop is not None:
+            loop.add_writer(conn.fd, self._flush, conn)
+            conn.writing = True
+
     async def _send_on(self, conn: Conn | None, outbox: Outbox, frames: Sequence[Buffer]) -> None:
         msg = pack(self.url, frames)
         if outbox.has_room():
-            outbox.queue.append(msg)
-        else:
-            assert self._loop is not None
-            fut: asyncio.Future[None] = self._loop.create_future()
-            outbox.blocked.append((msg, fut))
-            await fut  # in the queue now (room freed), or failed
+            self._push(conn, outbox, msg)
             return
-        if conn is not None and not conn.writing:
-            self._flush(conn)
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        outbox.blocked.append((msg, fut))
+        await fut  # in the queue now (room freed), or failed
 
     def _try_send_on(self, conn: Conn | None, outbox: Outbox, frames: Sequence[Buffer]) -> bool:
         if not outbox.has_room():
             return False
-        outbox.queue.append(pack(self.url, frames))
-        if conn is not None and not conn.writing:
-            self._flush(conn)
+        self._push(conn, outbox, pack(self.url, frames))
         return True
+
+    def _attach_now(self) -> None:
+        """Attach to the running loop if there is one and it is not ours yet (a send made
+        outside a loop is written, or queued, and watched from the first use in one)."""
+        if self._loop is not asyncio._get_running_loop():
+            with contextlib.suppress(RuntimeError):
+                self._attach()
 
     # ------------------------------------------------------------ receiving
 
@@ -344,8 +372,7 @@ class _UdsRouter(_UdsEndpoint):
         await self._send_on(conn, conn.outbox, frames)
 
     def _try_send(self, frames: Sequence[Buffer], peer: bytes | None) -> bool:
-        with contextlib.suppress(RuntimeError):  # outside a loop: written, but not watched
-            self._attach()
+        self._attach_now()  # (outside a loop: written, but not watched)
         conn = self._conn_for(peer)
         return self._try_send_on(conn, conn.outbox, frames)
 
@@ -453,8 +480,7 @@ class _UdsDealer(_UdsEndpoint):
         await self._send_on(self._conn, self._outbox, frames)
 
     def _try_send(self, frames: Sequence[Buffer], peer: bytes | None) -> bool:
-        with contextlib.suppress(RuntimeError):  # outside a loop: queued for the first use
-            self._attach()
+        self._attach_now()  # (outside a loop: queued for the first use)
         return self._try_send_on(self._conn, self._outbox, frames)
 
     def _close(self) -> None:
