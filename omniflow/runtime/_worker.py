@@ -48,6 +48,7 @@ from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind, connect, fast_path_enabled
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
+from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._protocol import (
     Batch,
     Bye,
@@ -300,7 +301,11 @@ class Worker:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             writer = loop.create_task(self._write(endpoint))
-            reader = loop.create_task(self._read(endpoint))
+            # Messages are handled in the loop's reader callback where the transport can
+            # (uds://: no task wakes up per burst), else by a task that receives them.
+            reader = None
+            if not endpoint.set_receiver(self._take):
+                reader = loop.create_task(self._read(endpoint))
             orphaned = loop.create_task(self._watch_parent()) if self.parent_pid else None
             beating = loop.create_task(self._heartbeat())
             await self._stop.wait()
@@ -308,7 +313,10 @@ class Worker:
             if orphaned is not None:
                 orphaned.cancel()
             await self._leave(registry)
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
+            else:
+                endpoint.set_receiver(None)
             for task in list(self._running.values()):
                 task.cancel()
             for _ in range(100):
@@ -403,30 +411,34 @@ class Worker:
                 batch = await endpoint.recv_batch()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            self._reading = True
-            try:
-                for i, (peer, frames) in enumerate(batch):
-                    if i and i % 256 == 0:
-                        self._flush_held()
-                        await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
-                    inner = self._opener.open(frames)
-                    if inner is None:
-                        self._dropped(None)
-                        continue
-                    try:
-                        msg = decode_msg(inner)
-                        if type(msg) is Batch:
-                            for m in msg.ms:
-                                self._handle_one(peer, decode_inner, m)
-                        else:
-                            self._handle(peer, msg)
-                    except ProtocolError as exc:
-                        self._dropped(exc.reason, exc)
-                    except Exception as exc:  # a bad message never kills the worker
-                        self._dropped("malformed", exc)
-            finally:
-                self._reading = False
-                self._flush_held()
+            for i in range(0, len(batch), MAX_DELIVERY):
+                if i:
+                    await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
+                self._take(batch[i : i + MAX_DELIVERY])
+
+    def _take(self, batch: list[Packet]) -> None:
+        """Handle received messages; what they make leaves once all are handled, batched."""
+        self._reading = True
+        try:
+            for peer, frames in batch:
+                inner = self._opener.open(frames)
+                if inner is None:
+                    self._dropped(None)
+                    continue
+                try:
+                    msg = decode_msg(inner)
+                    if type(msg) is Batch:
+                        for m in msg.ms:
+                            self._handle_one(peer, decode_inner, m)
+                    else:
+                        self._handle(peer, msg)
+                except ProtocolError as exc:
+                    self._dropped(exc.reason, exc)
+                except Exception as exc:  # a bad message never kills the worker
+                    self._dropped("malformed", exc)
+        finally:
+            self._reading = False
+            self._flush_held()
 
     def _handle_one(self, peer: bytes | None, decode: Callable[[Any], Message], m: Any) -> None:
         """Decode and handle one message of a batch (a bad one is dropped alone)."""
@@ -439,13 +451,6 @@ class Worker:
 
     def _flush_held(self) -> None:
         """Send what the handled messages made: per peer and link, batched, in order."""
-        reading, self._reading = self._reading, False
-        try:
-            self._send_held()
-        finally:
-            self._reading = reading
-
-    def _send_held(self) -> None:
         # Forwards first: they are the next hop's critical path; the fronts only account.
         if self._held_links:
             held_links, self._held_links = self._held_links, {}

@@ -55,10 +55,12 @@ from typing import Any, Final
 
 from omniflow._exceptions import TransportError
 from omniflow.transport._base import (
+    MAX_DELIVERY,
     Endpoint,
     EndpointState,
     Inbox,
     Packet,
+    Receiver,
     Transport,
     register_transport,
     socket_file_in_use,
@@ -105,6 +107,10 @@ class _UdsEndpoint(Endpoint):
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Messages received and not yet handed out, and who waits for them.
         self._in = Inbox()
+        #: Where arriving messages go instead of ``_in``'s waiters (``set_receiver``).
+        self._receiver: Receiver | None = None
+        #: A delivery of what a receiver call left in ``_in`` is due on the next loop turn.
+        self._delivering = False
 
     # ------------------------------------------------------------ loop
 
@@ -148,9 +154,39 @@ class _UdsEndpoint(Endpoint):
         messages, broken = conn.read()
         if messages:
             self._arrived(conn, messages)
-            self._in.wake()
+            if self._receiver is None:
+                self._in.wake()
+            elif not self._delivering:
+                self._deliver()
         if broken is not None and not conn.closed and self.state is EndpointState.OPEN:
             self._lost(conn, broken)
+
+    def set_receiver(self, receiver: Receiver | None) -> bool:
+        self._check_open("receive")
+        self._receiver = receiver
+        if receiver is not None and self._in.packets and not self._delivering:
+            self._delivering = True  # (what arrived before: on the next loop turn)
+            self._attach().call_soon(self._deliver)
+        return True
+
+    def _deliver(self) -> None:
+        """Hand what waits in ``_in`` to the receiver, MAX_DELIVERY at a time, one batch per
+        loop turn."""
+        self._delivering = False
+        packets = self._in.packets
+        receiver = self._receiver
+        if receiver is None or not packets or self.state is not EndpointState.OPEN:
+            return
+        if len(packets) <= MAX_DELIVERY:
+            batch = list(packets)
+            packets.clear()
+        else:
+            batch = [packets.popleft() for _ in range(MAX_DELIVERY)]
+            self._delivering = True
+            assert self._loop is not None
+            self._loop.call_soon(self._deliver)
+        self._delivered(batch)
+        receiver(batch)
 
     @abstractmethod
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
