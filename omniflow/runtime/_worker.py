@@ -562,6 +562,7 @@ class Worker:
                         self.wire.snapshot(),
                         {
                             "running": len(self._running),
+                            "calls": len(self._call_owner),
                             "forwarding": len(self._fw),
                             "links": len(self._links),
                             "link_queued": sum(link.out.qsize() for link in self._links.values()),
@@ -689,8 +690,9 @@ class Worker:
     def _run(self, peer: bytes | None, run: Run) -> None:
         c, a, node, kwargs, session, group, q, graph, off, th, _conn, fw = run
         # The front will send end_call (it tracks this worker for the call) when the call may
-        # leave state here: offloaded outputs, per-call params, or pages in a Params Pool.
-        if (off or self._pools or graph in self._param_graphs) and c not in self._call_owner:
+        # leave state here: per-call params, pages in a Params Pool, or offloaded outputs
+        # (``_placed``: only once one was, as the front learns only from a frame that has one).
+        if (self._pools or graph in self._param_graphs) and c not in self._call_owner:
             self._call_owner[c] = peer
         if off:
             self._offload[(peer, c, a)] = (node, off, th)
@@ -866,9 +868,14 @@ class Worker:
         off = self._offload.get((peer, c, a))
         if off is not None and isinstance(frame, dict):
             try:
-                return self.plane.offload(off[0], c, a, next(self._payloads), frame, off[1], off[2])
+                placed = self.plane.offload(
+                    off[0], c, a, next(self._payloads), frame, off[1], off[2]
+                )
             except Exception as exc:
                 raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
+            if placed is not frame and c not in self._call_owner:
+                self._call_owner[c] = peer  # its blocks are released, and the call ended, by it
+            return placed
         return frame
 
     def _done(

@@ -209,8 +209,9 @@ class StatsReply(NamedTuple):
     pid: int
     plane: dict[str, int]
     wire: dict[str, int]
-    #: What the worker holds now: activations ``running``, runs with fast-path routes
-    #: (``forwarding``), forward ``links`` and messages queued on them (``link_queued``).
+    #: What the worker holds now: activations ``running``, calls whose state here waits for
+    #: the front's end_call (``calls``), runs with fast-path routes (``forwarding``), forward
+    #: ``links`` and messages queued on them (``link_queued``).
     work: dict[str, int] | None = None
 
 
