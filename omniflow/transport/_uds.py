@@ -258,8 +258,10 @@ class _UdsEndpoint(Endpoint):
 
     def _attach_now(self) -> None:
         """Attach to the running loop if there is one and it is not ours yet (a send made
-        outside a loop is written, or queued, and watched from the first use in one)."""
-        if self._loop is not asyncio._get_running_loop():
+        outside a loop is written, or queued, and watched from the first use in one). An
+        endpoint serves one thread: while its loop runs, the caller runs in it."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
             with contextlib.suppress(RuntimeError):
                 self._attach()
 
