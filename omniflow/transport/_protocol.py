@@ -38,10 +38,11 @@ cancellation, and the formatted traceback ``tb``.
 
 On the wire a message is sealed (``_auth``: a MAC over every frame, checked before anything
 is decoded) around the codec's envelope: ``kind`` and the message's fields as a msgpack array
-in declaration order. Field values that are not plain data (a frame's objects, a DataRef) are
-pickled, and are unpickled only once the MAC held. ``decode_msg`` checks the kind and every
-field's type and raises ``ProtocolError`` (with ``reason`` "malformed" or "unknown_kind") for
-anything else; receivers drop such a message, count it and log it.
+in declaration order (trailing fields at their defaults may be left out: ``encode_fields``).
+Field values that are not plain data (a frame's objects, a DataRef) are pickled, and are
+unpickled only once the MAC held. ``decode_msg`` checks the kind and every field's type and
+raises ``ProtocolError`` (with ``reason`` "malformed" or "unknown_kind") for anything else;
+receivers drop such a message, count it and log it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ The semantics are those of ``_zmq``'s ROUTER/DEALER, which the fleet and the wor
   A message cut by a broken connection is lost (its rest is never sent on the next one), as
   with ZMQ.
 
+Received messages wait for ``recv``/``recv_batch``, or, once ``set_receiver(fn)`` was called,
+go to ``fn`` from the readable event itself (at most 256 a call, the rest on the next loop
+turns: no future and no task wake-up per burst). A message sent with nothing queued before it
+goes out in one ``sendmsg`` and is never queued.
+
 The byte stream of one connection (framing, the outbox, reading and parsing) is
 ``_udswire``; this module is the endpoints and the loop plumbing around it.
 
