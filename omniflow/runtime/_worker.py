@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable
 from types import MappingProxyType
 from typing import Any
@@ -119,7 +120,7 @@ class _Link:
         self.endpoint = endpoint
         self.sealer = sealer
         #: Messages that could not go out at once, in order (the writer sends them).
-        self.out: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.out: deque[list[Any]] = deque()
         self.writer: asyncio.Task[None] | None = None
 
 
@@ -565,7 +566,7 @@ class Worker:
                             "calls": len(self._call_owner),
                             "forwarding": len(self._fw),
                             "links": len(self._links),
-                            "link_queued": sum(link.out.qsize() for link in self._links.values()),
+                            "link_queued": sum(len(link.out) for link in self._links.values()),
                         },
                     ),
                 )
@@ -639,6 +640,12 @@ class Worker:
     def _start(self, peer: bytes | None, run: Run) -> None:
         """Resolve data-plane refs among the inputs (waiting only for pulls), then run."""
         kwargs = run.k
+        for v in kwargs.values():  # (most runs: no value that can hold a ref, nothing to do)
+            if type(v) is DataRef or type(v) is list or type(v) is tuple:
+                break
+        else:
+            self._run(peer, run)
+            return
         refs = [r for v in kwargs.values() for r in refs_in(v)]
         if refs:
             conn = run.conn or {}
@@ -807,11 +814,11 @@ class Worker:
         """Send a batch of forwards down its link, in order behind what waits there; a link
         that fails is logged by its writer (its worker is lost: the front fails what it held)."""
         link = self._link(address)
-        if link.writer is None and link.out.empty():
+        if link.writer is None and not link.out:
             with contextlib.suppress(TransportError, RuntimeClosedError):
                 if link.endpoint.try_send(link.sealer.seal(frames)):
                     return
-        link.out.put_nowait(frames)
+        link.out.append(frames)
         if link.writer is None:
             link.writer = asyncio.get_running_loop().create_task(self._link_write(link))
 
@@ -828,8 +835,8 @@ class Worker:
     async def _link_write(self, link: _Link) -> None:
         """Send what queued for a link, in order; done when the queue is empty."""
         try:
-            while not link.out.empty():
-                frames = link.out.get_nowait()
+            while link.out:
+                frames = link.out.popleft()
                 await link.endpoint.send(link.sealer.seal(frames))
         except (TransportError, RuntimeClosedError) as exc:
             logger.warning("worker %s: a forward link failed: %s", self.replica_id, exc)

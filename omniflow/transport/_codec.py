@@ -121,7 +121,7 @@ def encode(
     # so the packed body is kept at any depth msgpack packs. Anything else takes the walker
     # below (out-of-band frames, precise errors).
     try:
-        packed = _fast_packer().pack([kind, 0, body])
+        packed = _fast_pack([kind, 0, body])
     except (_NotPlain, ValueError, TypeError, OverflowError, BufferError):
         packed = None
     if (
@@ -183,13 +183,19 @@ def _not_plain(obj: Any) -> Any:
 _PACKERS = threading.local()
 
 
-def _fast_packer() -> Any:
+def _fast_pack(obj: Any) -> bytes:
+    """``obj`` packed as plain msgpack types only (``_NotPlain`` for anything else), with this
+    thread's packer. It is taken while it packs: a nested call (a finalizer the garbage
+    collector runs mid-pack that encodes too) makes a packer of its own."""
     packer = getattr(_PACKERS, "packer", None)
     if packer is None:
-        packer = _PACKERS.packer = msgpack.Packer(
-            use_bin_type=True, strict_types=True, default=_not_plain
-        )
-    return packer
+        packer = msgpack.Packer(use_bin_type=True, strict_types=True, default=_not_plain)
+    _PACKERS.packer = None
+    try:
+        packed: bytes = packer.pack(obj)
+    finally:
+        _PACKERS.packer = packer
+    return packed
 
 
 def _shallow_plain(body: Any) -> bool:
