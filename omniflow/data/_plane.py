@@ -324,13 +324,13 @@ class DataPlane:
         t = type(value)
         if t is bytes or t is bytearray:
             return len(value) >= limit
+        mod = t.__module__
+        if mod != "numpy" and not mod.startswith("torch"):
+            return False  # (the common case, small plain values: decided without a lookup)
         nbytes = getattr(value, "nbytes", None)
         if nbytes is None and hasattr(value, "data_ptr"):
             nbytes = value.numel() * value.element_size()
-        if not isinstance(nbytes, int) or nbytes < limit:
-            return False
-        mod = t.__module__
-        return mod == "numpy" or mod.startswith("torch")
+        return isinstance(nbytes, int) and nbytes >= limit
 
     def offload(
         self, node: str, call_id: str, aid: int | str, yidx: int, frame: dict[str, Any],

@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable
 from types import MappingProxyType
 from typing import Any
@@ -48,6 +49,7 @@ from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind, connect, fast_path_enabled
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
+from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._protocol import (
     Batch,
     Bye,
@@ -78,6 +80,7 @@ from omniflow.transport._protocol import (
     batch,
     decode_inner,
     decode_msg,
+    encode_fields,
     encode_msg,
 )
 
@@ -97,13 +100,13 @@ class _Fw:
 
     __slots__ = ("a", "c", "ft", "gr", "k", "q", "routes", "s")
 
-    def __init__(self, routes: tuple[Route, ...], body: dict[str, Any], ft: str) -> None:
+    def __init__(self, routes: tuple[Route, ...], run: Run, ft: str) -> None:
         self.routes = routes
-        self.c: str = body["c"]
-        self.a: int | str = body["a"]
-        self.s: str | None = body["s"]
-        self.gr: str = body["gr"]
-        self.q: int = body["q"]
+        self.c = run.c
+        self.a = run.a
+        self.s = run.s
+        self.gr = run.gr
+        self.q = run.q
         self.ft = ft
         self.k = 0
 
@@ -117,7 +120,7 @@ class _Link:
         self.endpoint = endpoint
         self.sealer = sealer
         #: Messages that could not go out at once, in order (the writer sends them).
-        self.out: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.out: deque[list[Any]] = deque()
         self.writer: asyncio.Task[None] | None = None
 
 
@@ -194,6 +197,8 @@ class Worker:
         self._front_peers: dict[str, bytes | None] = {}
         #: Running activation -> its fast-path routes (only runs that have some).
         self._fw: dict[_Key, _Fw] = {}
+        #: Hosted node -> the fast-path routes last parsed for its runs (raw, parsed).
+        self._routes_seen: dict[str, tuple[list[Any], tuple[Route, ...]]] = {}
         #: Address -> connection to the worker there (fast-path forwards).
         self._links: dict[str, _Link] = {}
         #: Addresses of workers a front said are lost (``SourceLost``): nothing is forwarded
@@ -297,7 +302,11 @@ class Worker:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             writer = loop.create_task(self._write(endpoint))
-            reader = loop.create_task(self._read(endpoint))
+            # Messages are handled in the loop's reader callback where the transport can
+            # (uds://: no task wakes up per burst), else by a task that receives them.
+            reader = None
+            if not endpoint.set_receiver(self._take):
+                reader = loop.create_task(self._read(endpoint))
             orphaned = loop.create_task(self._watch_parent()) if self.parent_pid else None
             beating = loop.create_task(self._heartbeat())
             await self._stop.wait()
@@ -305,7 +314,10 @@ class Worker:
             if orphaned is not None:
                 orphaned.cancel()
             await self._leave(registry)
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
+            else:
+                endpoint.set_receiver(None)
             for task in list(self._running.values()):
                 task.cancel()
             for _ in range(100):
@@ -400,30 +412,34 @@ class Worker:
                 batch = await endpoint.recv_batch()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            self._reading = True
-            try:
-                for i, (peer, frames) in enumerate(batch):
-                    if i and i % 256 == 0:
-                        self._flush_held()
-                        await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
-                    inner = self._opener.open(frames)
-                    if inner is None:
-                        self._dropped(None)
-                        continue
-                    try:
-                        msg = decode_msg(inner)
-                        if type(msg) is Batch:
-                            for m in msg.ms:
-                                self._handle_one(peer, decode_inner, m)
-                        else:
-                            self._handle(peer, msg)
-                    except ProtocolError as exc:
-                        self._dropped(exc.reason, exc)
-                    except Exception as exc:  # a bad message never kills the worker
-                        self._dropped("malformed", exc)
-            finally:
-                self._reading = False
-                self._flush_held()
+            for i in range(0, len(batch), MAX_DELIVERY):
+                if i:
+                    await asyncio.sleep(0)  # a flood must not starve heartbeats and runs
+                self._take(batch[i : i + MAX_DELIVERY])
+
+    def _take(self, batch: list[Packet]) -> None:
+        """Handle received messages; what they make leaves once all are handled, batched."""
+        self._reading = True
+        try:
+            for peer, frames in batch:
+                inner = self._opener.open(frames)
+                if inner is None:
+                    self._dropped(None)
+                    continue
+                try:
+                    msg = decode_msg(inner)
+                    if type(msg) is Batch:
+                        for m in msg.ms:
+                            self._handle_one(peer, decode_inner, m)
+                    else:
+                        self._handle(peer, msg)
+                except ProtocolError as exc:
+                    self._dropped(exc.reason, exc)
+                except Exception as exc:  # a bad message never kills the worker
+                    self._dropped("malformed", exc)
+        finally:
+            self._reading = False
+            self._flush_held()
 
     def _handle_one(self, peer: bytes | None, decode: Callable[[Any], Message], m: Any) -> None:
         """Decode and handle one message of a batch (a bad one is dropped alone)."""
@@ -436,13 +452,6 @@ class Worker:
 
     def _flush_held(self) -> None:
         """Send what the handled messages made: per peer and link, batched, in order."""
-        reading, self._reading = self._reading, False
-        try:
-            self._send_held()
-        finally:
-            self._reading = reading
-
-    def _send_held(self) -> None:
         # Forwards first: they are the next hop's critical path; the fronts only account.
         if self._held_links:
             held_links, self._held_links = self._held_links, {}
@@ -490,7 +499,7 @@ class Worker:
     def _handle(self, peer: bytes | None, msg: Message) -> None:
         match msg:
             case Run():
-                self._start(peer, _run_body(msg))
+                self._start(peer, _checked(msg))
             case Forward(ft=ft, rid=rid):
                 front = self._front_peers.get(ft)
                 if rid != self.replica_id:
@@ -505,9 +514,7 @@ class Worker:
                         ),
                     )
                 else:
-                    body = _run_body(msg)
-                    del body["ft"], body["rid"]
-                    self._start(front, body)
+                    self._start(front, _checked(Run._make(msg[2:])))
             case Cancel(c=c, a=a):
                 task = self._running.get((peer, c, a))
                 if task is not None:
@@ -556,9 +563,10 @@ class Worker:
                         self.wire.snapshot(),
                         {
                             "running": len(self._running),
+                            "calls": len(self._call_owner),
                             "forwarding": len(self._fw),
                             "links": len(self._links),
-                            "link_queued": sum(link.out.qsize() for link in self._links.values()),
+                            "link_queued": sum(len(link.out) for link in self._links.values()),
                         },
                     ),
                 )
@@ -629,24 +637,30 @@ class Worker:
             p = table[key] = SessionParams(self._factories)
         return p
 
-    def _start(self, peer: bytes | None, body: dict[str, Any]) -> None:
+    def _start(self, peer: bytes | None, run: Run) -> None:
         """Resolve data-plane refs among the inputs (waiting only for pulls), then run."""
-        kwargs = body["k"]
+        kwargs = run.k
+        for v in kwargs.values():  # (most runs: no value that can hold a ref, nothing to do)
+            if type(v) is DataRef or type(v) is list or type(v) is tuple:
+                break
+        else:
+            self._run(peer, run)
+            return
         refs = [r for v in kwargs.values() for r in refs_in(v)]
         if refs:
-            conn = body.get("conn") or {}
-            key = (peer, body["c"], body["a"])
+            conn = run.conn or {}
+            key = (peer, run.c, run.a)
             if any(self.plane.needs_pull(r, conn.get(r.key[0], "auto")) for r in refs):
-                task = asyncio.get_running_loop().create_task(self._pull_then_run(peer, body))
+                task = asyncio.get_running_loop().create_task(self._pull_then_run(peer, run))
                 self._running[key] = task
                 task.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
-                body["k"] = {f: self._resolve_now(v, conn) for f, v in kwargs.items()}
+                run = run._replace(k={f: self._resolve_now(v, conn) for f, v in kwargs.items()})
             except Exception as exc:
-                self._done(peer, body["c"], body["a"], exc)
+                self._done(peer, run.c, run.a, exc)
                 return
-        self._run(peer, body)
+        self._run(peer, run)
 
     def _resolve_now(self, value: Any, conn: dict[str, str]) -> Any:
         refs = refs_in(value)
@@ -660,17 +674,17 @@ class Worker:
             return out if type(value) is list else tuple(out)
         return self.plane.read_now(value, conn.get(value.key[0], "auto"))
 
-    async def _pull_then_run(self, peer: bytes | None, body: dict[str, Any]) -> None:
-        key = (peer, body["c"], body["a"])
-        conn = body.get("conn") or {}
+    async def _pull_then_run(self, peer: bytes | None, run: Run) -> None:
+        key = (peer, run.c, run.a)
+        conn = run.conn or {}
         try:
-            body["k"] = {f: await self._resolve(v, conn) for f, v in body["k"].items()}
+            run = run._replace(k={f: await self._resolve(v, conn) for f, v in run.k.items()})
         except BaseException as exc:
             self._running.pop(key, None)
-            self._done(peer, body["c"], body["a"], exc)
+            self._done(peer, run.c, run.a, exc)
             return
         self._running.pop(key, None)
-        self._run(peer, body)
+        self._run(peer, run)
 
     async def _resolve(self, value: Any, conn: dict[str, str]) -> Any:
         if type(value) is DataRef:
@@ -680,58 +694,43 @@ class Worker:
             return items if type(value) is list else tuple(items)
         return value
 
-    def _run(self, peer: bytes | None, body: dict[str, Any]) -> None:
-        c, a, node = body["c"], body["a"], body["n"]
-        off = body.get("off")
+    def _run(self, peer: bytes | None, run: Run) -> None:
+        c, a, node, kwargs, session, group, q, graph, off, th, _conn, fw = run
         # The front will send end_call (it tracks this worker for the call) when the call may
-        # leave state here: offloaded outputs, per-call params, or pages in a Params Pool.
-        if (off or self._pools or body["gr"] in self._param_graphs) and c not in self._call_owner:
+        # leave state here: per-call params, pages in a Params Pool, or offloaded outputs
+        # (``_placed``: only once one was, as the front learns only from a frame that has one).
+        if (self._pools or graph in self._param_graphs) and c not in self._call_owner:
             self._call_owner[c] = peer
         if off:
-            self._offload[(peer, c, a)] = (node, off, body.get("th"))
-        fw = body.get("fw")
+            self._offload[(peer, c, a)] = (node, off, th)
         if fw:
             ft = self._fronts.get(peer)
-            try:
-                routes = parse_routes(fw)
-            except ValueError as exc:
-                self._dropped("malformed", TransportError(f"fast-path routes of a run: {exc}"))
-            else:
-                if self._gone:  # a front that routes there again: the worker there is back
-                    self._gone.difference_update(r.address for r in routes)
-                if ft is not None:
-                    self._fw[(peer, c, a)] = _Fw(routes, body, ft)
+            routes = self._routes_of(node, fw)
+            if routes is not None and ft is not None:
+                self._fw[(peer, c, a)] = _Fw(routes, run, ft)
         method = self._methods.get(node)
         if method is None:
             self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
             return
-        ctx = ActivationContext(
-            graph=body["gr"],
-            session=body["s"],
-            call_id=c,
-            node=node,
-            or_group=body["g"],
-            params=self._params(body["s"], c, body["gr"]),
-            seq=body["q"],
-            aid=a,
-            pools=self._pool_view,
-        )
-        token = _current.set(ctx)
-        loop = asyncio.get_running_loop()
+        # The context is built only if the method asks for it (``dsl._context.context``).
+        token = _current.set((
+            ActivationContext, graph, session, c, node, group, self._params(session, c, graph),
+            q, a, self._pool_view,
+        ))  # fmt: skip
         try:
             key = (peer, c, a)
             if node in self._generators:
                 try:
-                    agen = method(**body["k"])
+                    agen = method(**kwargs)
                 except Exception as exc:
                     self._done(peer, c, a, exc)
                     return
-                gtask = loop.create_task(self._drive(key, agen))
+                gtask = asyncio.get_running_loop().create_task(self._drive(key, agen))
                 self._running[key] = gtask
                 gtask.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
-                out = first_step(method, body["k"])
+                out = first_step(method, kwargs)
             except (Exception, asyncio.CancelledError) as exc:
                 self._done(peer, c, a, exc)
                 return
@@ -743,6 +742,25 @@ class Worker:
             task.add_done_callback(lambda t: self._finished(key, coro, t))
         finally:
             _current.reset(token)
+
+    def _routes_of(self, node: str, raw: list[Any]) -> tuple[Route, ...] | None:
+        """The parsed fast-path routes of a run of ``node`` (None: malformed, dropped). A
+        front sends the same routes for a node until a replica changes, so the last ones
+        parsed for each hosted node are kept and reused while the raw list is equal."""
+        seen = self._routes_seen.get(node)
+        if seen is not None and seen[0] == raw:
+            routes = seen[1]
+        else:
+            try:
+                routes = parse_routes(raw)
+            except ValueError as exc:
+                self._dropped("malformed", TransportError(f"fast-path routes of a run: {exc}"))
+                return None
+            if node in self._methods:
+                self._routes_seen[node] = (raw, routes)
+        if self._gone:  # a front that routes there again: the worker there is back
+            self._gone.difference_update(r.address for r in routes)
+        return routes
 
     def _forward(self, key: _Key, frame: Any) -> list[Any] | None:
         """Start this frame's fast-path runs on their workers; ``[route, wire id]`` of each
@@ -763,12 +781,12 @@ class Worker:
             if refs_in(value):
                 continue
             wid = wire_id(fw.a, k, r)
-            msg = Forward(
-                fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s, route.group,
-                k if route.qk else fw.q, fw.gr, route.off, route.th, route.conn, route.sub,
-            )  # fmt: skip
             try:
-                frames = encode_msg(msg)
+                frames = encode_fields(
+                    Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
+                    route.group, k if route.qk else fw.q, fw.gr, route.off, route.th, route.conn,
+                    route.sub,
+                )  # fmt: skip
                 self._link(route.address)  # (a link that cannot be made: not forwarded)
                 # Held until the received batch is handled, or to the end of this loop turn
                 # (a generator's frames of one turn leave together, as its frames to the front).
@@ -796,11 +814,11 @@ class Worker:
         """Send a batch of forwards down its link, in order behind what waits there; a link
         that fails is logged by its writer (its worker is lost: the front fails what it held)."""
         link = self._link(address)
-        if link.writer is None and link.out.empty():
+        if link.writer is None and not link.out:
             with contextlib.suppress(TransportError, RuntimeClosedError):
                 if link.endpoint.try_send(link.sealer.seal(frames)):
                     return
-        link.out.put_nowait(frames)
+        link.out.append(frames)
         if link.writer is None:
             link.writer = asyncio.get_running_loop().create_task(self._link_write(link))
 
@@ -817,8 +835,8 @@ class Worker:
     async def _link_write(self, link: _Link) -> None:
         """Send what queued for a link, in order; done when the queue is empty."""
         try:
-            while not link.out.empty():
-                frames = link.out.get_nowait()
+            while link.out:
+                frames = link.out.popleft()
                 await link.endpoint.send(link.sealer.seal(frames))
         except (TransportError, RuntimeClosedError) as exc:
             logger.warning("worker %s: a forward link failed: %s", self.replica_id, exc)
@@ -857,9 +875,14 @@ class Worker:
         off = self._offload.get((peer, c, a))
         if off is not None and isinstance(frame, dict):
             try:
-                return self.plane.offload(off[0], c, a, next(self._payloads), frame, off[1], off[2])
+                placed = self.plane.offload(
+                    off[0], c, a, next(self._payloads), frame, off[1], off[2]
+                )
             except Exception as exc:
                 raise _Unsendable(f"a frame could not be placed in the data plane: {exc}") from exc
+            if placed is not frame and c not in self._call_owner:
+                self._call_owner[c] = peer  # its blocks are released, and the call ended, by it
+            return placed
         return frame
 
     def _done(
@@ -876,19 +899,21 @@ class Worker:
         key = (peer, c, a)
         if exc is None and frame is not None:
             try:
-                placed = self._placed(peer, c, a, frame)
+                placed = self._placed(peer, c, a, frame) if self._offload else frame
                 x = self._forward(key, placed) if self._fw else None
                 if x is None:
-                    self._put(peer, encode_msg(Done(c, a, placed)))
+                    self._put(peer, encode_fields(Done, c, a, placed))
                 else:  # (what it forwarded, if this cannot be sent, the front orphans)
-                    self._put(peer, encode_msg(Done(c, a, placed, None, None, False, None, x)))
+                    self._put(peer, encode_fields(Done, c, a, placed, None, None, False, None, x))
             except _Unsendable as e:
                 exc = e
             except Exception as e:  # a value the wire cannot carry fails the activation
                 exc = _Unsendable.sending(e)
             else:
-                self._offload.pop(key, None)
-                self._fw.pop(key, None)
+                if self._offload:
+                    self._offload.pop(key, None)
+                if self._fw:
+                    self._fw.pop(key, None)
                 return
         self._offload.pop(key, None)
         self._fw.pop(key, None)
@@ -948,21 +973,27 @@ class _FrameBatch:
         xs, self.xs = self.xs, None
         try:
             if len(frames) == 1:
-                x = None if xs is None else xs[0]
-                self.worker._send(self.peer, Frame(self.c, self.a, frames[0], x))
+                if xs is None or xs[0] is None:
+                    msg = encode_fields(Frame, self.c, self.a, frames[0])
+                else:
+                    msg = encode_fields(Frame, self.c, self.a, frames[0], xs[0])
+            elif xs is None:
+                msg = encode_fields(Frames, self.c, self.a, frames)
             else:
-                self.worker._send(self.peer, Frames(self.c, self.a, frames, xs))
+                msg = encode_fields(Frames, self.c, self.a, frames, xs)
+            self.worker._put(self.peer, msg)
         except Exception as e:  # a value the wire cannot carry fails the activation
             self.error = _Unsendable.sending(e)
 
 
-def _run_body(msg: Run | Forward) -> dict[str, Any]:
-    """A ``run`` as the dict the activation code works on; TransportError (the message is
-    dropped and counted as malformed) when an argument name is not a str."""
-    if not all(type(k) is str for k in msg.k):
-        raise ProtocolError("malformed run: 'k' must map argument names (str) to values",
-                            "malformed")  # fmt: skip
-    return msg._asdict()
+def _checked(run: Run) -> Run:
+    """``run``, whose argument names must be strs (else ProtocolError: the message is
+    dropped and counted as malformed)."""
+    for name in run.k:
+        if type(name) is not str:
+            raise ProtocolError("malformed run: 'k' must map argument names (str) to values",
+                                "malformed")  # fmt: skip
+    return run
 
 
 def run_worker(make: Callable[[], Worker]) -> int:

@@ -194,7 +194,8 @@ class _HmacSha256:
         inner.update(data)
         outer = self._outer.copy()
         outer.update(inner.digest())
-        return bytes(outer.digest())
+        digest: bytes = outer.digest()
+        return digest
 
 
 class _Mac:
@@ -285,24 +286,26 @@ def _octets(frame: Any) -> Any:
 class Sealer:
     """One sender: seals messages with its id, a growing counter and the MAC."""
 
-    __slots__ = ("_counter", "_keys", "sender")
+    __slots__ = ("_counter", "_keys", "_mac", "_prefix", "sender")
 
     def __init__(self, key: bytes) -> None:
         self._keys = _Keys(key)
+        self._mac = self._keys.hmac.mac
         #: Random per sender, so receivers keep one counter per sender.
         self.sender = secrets.token_bytes(8)
+        self._prefix = _MAGIC + self.sender
         self._counter = 0
 
     def seal(self, frames: Sequence[Any]) -> list[Any]:
         """``frames`` with the tag in front of the first; call it right before the send, in
         send order."""
         self._counter += 1
-        head = _MAGIC + self.sender + self._counter.to_bytes(8, "big")
+        head = self._prefix + self._counter.to_bytes(8, "big")
         first = frames[0]
         if len(frames) == 1:
-            n = _nbytes(first)
+            n = len(first) if type(first) is bytes else _nbytes(first)
             if n < BULK_BYTES:  # the hot path: one small frame, one buffer, one HMAC
-                mac = self._keys.hmac.mac(b"".join((head, n.to_bytes(8, "big"), first)))
+                mac = self._mac(b"".join((head, n.to_bytes(8, "big"), first)))
                 return [b"".join((head, mac, first))]
             sizes: Sequence[int] = (n,)
         else:
@@ -315,10 +318,11 @@ class Sealer:
 class Opener:
     """One receiving process's check of sealed messages (MAC, then replay)."""
 
-    __slots__ = ("_keys", "_last", "stats")
+    __slots__ = ("_keys", "_last", "_mac", "stats")
 
     def __init__(self, key: bytes, stats: WireStats | None = None) -> None:
         self._keys = _Keys(key)
+        self._mac = self._keys.hmac.mac
         #: Highest counter accepted from each sender (only senders that hold the key).
         self._last: dict[bytes, int] = {}
         #: Where accepted and dropped messages are counted.
@@ -340,9 +344,9 @@ class Opener:
                 if len(small) < TAG_BYTES:
                     stats.drop("bad_mac")
                     return None
-                tag, header = small[:TAG_BYTES], small[TAG_BYTES:]
-                covered = b"".join((tag[:_HEAD], len(header).to_bytes(8, "big"), header))
-                return self._accept(tag, self._keys.hmac.mac(covered), [header])
+                header = small[TAG_BYTES:]
+                covered = b"".join((small[:_HEAD], len(header).to_bytes(8, "big"), header))
+                return self._accept(small[:TAG_BYTES], self._mac(covered), [header])
         try:
             first = memoryview(frames[0]).cast("B")
             if first.nbytes < TAG_BYTES:

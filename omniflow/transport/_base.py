@@ -32,7 +32,7 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import ClassVar, NamedTuple, Self, TypeVar
 
@@ -44,6 +44,7 @@ __all__ = [
     "EndpointState",
     "Inbox",
     "Packet",
+    "Receiver",
     "Transport",
     "bind",
     "connect",
@@ -60,6 +61,13 @@ class Packet(NamedTuple):
 
     peer: bytes | None
     frames: list[Buffer]
+
+
+#: What ``Endpoint.set_receiver`` hands arriving messages to (from the event loop).
+Receiver = Callable[[list[Packet]], None]
+#: Most messages one call of a receiver gets (the rest follow on the next loop turn, so a
+#: flood does not starve the loop's other work).
+MAX_DELIVERY = 256
 
 
 class EndpointState(enum.Enum):
@@ -137,8 +145,7 @@ class Endpoint(ABC):
         order (one wake-up for a burst). Raises RuntimeClosedError if the endpoint closes."""
         self._check_open("recv")
         packets = await self._receiving(self._recv_batch())
-        self._received += len(packets)
-        self._received_bytes += sum(_nbytes(p.frames) for p in packets)
+        self._delivered(packets)
         return packets
 
     def try_send(self, frames: Sequence[Buffer], *, peer: bytes | None = None) -> bool:
@@ -147,13 +154,30 @@ class Endpoint(ABC):
         Never overtakes a ``send`` still waiting on this endpoint, so a caller that falls back
         to its own queue whenever this returns False keeps its messages in order.
         """
-        self._check_open("send")
-        self._check_send(frames, peer)
+        if self.state is EndpointState.CLOSED:
+            raise self._closed_error("send")
+        if not frames or (peer is None) is self.bound:
+            self._check_send(frames, peer)
         if not self._try_send(frames, peer):
             return False
         self._sent += 1
         self._sent_bytes += _nbytes(frames)
         return True
+
+    def set_receiver(self, receiver: Receiver | None) -> bool:
+        """Hand the messages that arrive from now on to ``receiver(packets)``, called by the
+        event loop as they come (a burst at once, in order, at most MAX_DELIVERY a call)
+        instead of keeping them for ``recv``: no task wakes up per burst. ``None`` keeps them
+        for ``recv`` again. False where the transport has no such path (use ``recv_batch``)."""
+        return False
+
+    def _delivered(self, packets: list[Packet]) -> None:
+        """Count ``packets`` as received (a transport that delivers to a receiver)."""
+        self._received += len(packets)
+        nbytes = 0
+        for packet in packets:
+            nbytes += _nbytes(packet.frames)
+        self._received_bytes += nbytes
 
     def close(self) -> None:
         """Close the endpoint (idempotent); a pending ``recv`` raises RuntimeClosedError."""
@@ -276,6 +300,9 @@ _TRANSPORTS: dict[str, Transport] = {}
 
 
 def _nbytes(frames: Sequence[Buffer]) -> int:
+    if len(frames) == 1:  # (most messages: one small frame)
+        f = frames[0]
+        return len(f) if type(f) is bytes else memoryview(f).nbytes
     return sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
 
 

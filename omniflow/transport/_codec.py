@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeAlias
@@ -113,19 +114,20 @@ def encode(
     if not isinstance(kind, str):
         raise CodecError(f"message kind must be a str, got {type(kind).__name__}")
     # Fast path for small control messages: a body of plain msgpack types only (no tuples,
-    # arrays, subclasses) packs in C in one call. Only a result of at most MAX_DEPTH bytes is
-    # kept: every nesting level costs a byte, so it cannot be nested deeper than the walker
-    # allows. Anything else takes the walker below (out-of-band frames, precise errors).
+    # arrays, subclasses) packs in C in one call. Without ``pickle`` only a result of at most
+    # MAX_DEPTH bytes is kept as is (every nesting level costs a byte, so it cannot be nested
+    # deeper than the walker allows), a longer one only once its nesting was checked; with
+    # ``pickle`` the walker would pickle what nests deeper, which decodes to the same value,
+    # so the packed body is kept at any depth msgpack packs. Anything else takes the walker
+    # below (out-of-band frames, precise errors).
     try:
-        packed = msgpack.packb(
-            [kind, 0, body], use_bin_type=True, strict_types=True, default=_not_plain
-        )
+        packed = _fast_pack([kind, 0, body])
     except (_NotPlain, ValueError, TypeError, OverflowError, BufferError):
         packed = None
     if (
         packed is not None
         and len(packed) < threshold
-        and (len(packed) <= MAX_DEPTH or _shallow_plain(body))
+        and (pickle or len(packed) <= MAX_DEPTH or _shallow_plain(body))
     ):
         return [_PREFIX + packed]
     packer = _Packer(threshold, pickle)
@@ -174,6 +176,26 @@ class _NotPlain(Exception):
 
 def _not_plain(obj: Any) -> Any:
     raise _NotPlain
+
+
+#: Each thread's packer for the fast path (a Packer is not safe to share between threads;
+#: making one per message costs more than the packing of a small one).
+_PACKERS = threading.local()
+
+
+def _fast_pack(obj: Any) -> bytes:
+    """``obj`` packed as plain msgpack types only (``_NotPlain`` for anything else), with this
+    thread's packer. It is taken while it packs: a nested call (a finalizer the garbage
+    collector runs mid-pack that encodes too) makes a packer of its own."""
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:
+        packer = msgpack.Packer(use_bin_type=True, strict_types=True, default=_not_plain)
+    _PACKERS.packer = None
+    try:
+        packed: bytes = packer.pack(obj)
+    finally:
+        _PACKERS.packer = packer
+    return packed
 
 
 def _shallow_plain(body: Any) -> bool:

@@ -32,6 +32,11 @@ The semantics are those of ``_zmq``'s ROUTER/DEALER, which the fleet and the wor
   A message cut by a broken connection is lost (its rest is never sent on the next one), as
   with ZMQ.
 
+Received messages wait for ``recv``/``recv_batch``, or, once ``set_receiver(fn)`` was called,
+go to ``fn`` from the readable event itself (at most 256 a call, the rest on the next loop
+turns: no future and no task wake-up per burst). A message sent with nothing queued before it
+goes out in one ``sendmsg`` and is never queued.
+
 The byte stream of one connection (framing, the outbox, reading and parsing) is
 ``_udswire``; this module is the endpoints and the loop plumbing around it.
 
@@ -51,14 +56,16 @@ import socket as _socket
 import uuid
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from omniflow._exceptions import TransportError
 from omniflow.transport._base import (
+    MAX_DELIVERY,
     Endpoint,
     EndpointState,
     Inbox,
     Packet,
+    Receiver,
     Transport,
     register_transport,
     socket_file_in_use,
@@ -105,6 +112,10 @@ class _UdsEndpoint(Endpoint):
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Messages received and not yet handed out, and who waits for them.
         self._in = Inbox()
+        #: Where arriving messages go instead of ``_in``'s waiters (``set_receiver``).
+        self._receiver: Receiver | None = None
+        #: A delivery of what a receiver call left in ``_in`` is due on the next loop turn.
+        self._delivering = False
 
     # ------------------------------------------------------------ loop
 
@@ -148,9 +159,39 @@ class _UdsEndpoint(Endpoint):
         messages, broken = conn.read()
         if messages:
             self._arrived(conn, messages)
-            self._in.wake()
+            if self._receiver is None:
+                self._in.wake()
+            elif not self._delivering:
+                self._deliver()
         if broken is not None and not conn.closed and self.state is EndpointState.OPEN:
             self._lost(conn, broken)
+
+    def set_receiver(self, receiver: Receiver | None) -> bool:
+        self._check_open("receive")
+        self._receiver = receiver
+        if receiver is not None and self._in.packets and not self._delivering:
+            self._delivering = True  # (what arrived before: on the next loop turn)
+            self._attach().call_soon(self._deliver)
+        return True
+
+    def _deliver(self) -> None:
+        """Hand what waits in ``_in`` to the receiver, MAX_DELIVERY at a time, one batch per
+        loop turn."""
+        self._delivering = False
+        packets = self._in.packets
+        receiver = self._receiver
+        if receiver is None or not packets or self.state is not EndpointState.OPEN:
+            return
+        if len(packets) <= MAX_DELIVERY:
+            batch = list(packets)
+            packets.clear()
+        else:
+            batch = [packets.popleft() for _ in range(MAX_DELIVERY)]
+            self._delivering = True
+            assert self._loop is not None
+            self._loop.call_soon(self._deliver)
+        self._delivered(batch)
+        receiver(batch)
 
     @abstractmethod
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
@@ -178,26 +219,56 @@ class _UdsEndpoint(Endpoint):
             loop.add_writer(conn.fd, self._flush, conn)
             conn.writing = True
 
+    def _push(self, conn: Conn | None, outbox: Outbox, msg: tuple[list[Any], int]) -> None:
+        """Queue ``msg`` (there is room) and write what the socket takes. With nothing queued
+        before it (the common case) it goes out in one ``sendmsg`` and is never queued."""
+        queue = outbox.queue
+        if conn is None or conn.writing or queue:
+            queue.append(msg)
+            if conn is not None and not conn.writing:
+                self._flush(conn)
+            return
+        try:
+            n = conn.sock.sendmsg(msg[0], (), MSG_NOSIGNAL)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            queue.append(msg)  # (as if queued first: a reconnecting dealer sends it later)
+            self._lost(conn, f"writing failed: {exc}")
+            return
+        if n == msg[1]:
+            return
+        queue.append(msg)
+        outbox.head_sent = n  # the rest follows on this connection, when it has room
+        loop = self._loop
+        if loop is not None:
+            loop.add_writer(conn.fd, self._flush, conn)
+            conn.writing = True
+
     async def _send_on(self, conn: Conn | None, outbox: Outbox, frames: Sequence[Buffer]) -> None:
         msg = pack(self.url, frames)
         if outbox.has_room():
-            outbox.queue.append(msg)
-        else:
-            assert self._loop is not None
-            fut: asyncio.Future[None] = self._loop.create_future()
-            outbox.blocked.append((msg, fut))
-            await fut  # in the queue now (room freed), or failed
+            self._push(conn, outbox, msg)
             return
-        if conn is not None and not conn.writing:
-            self._flush(conn)
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        outbox.blocked.append((msg, fut))
+        await fut  # in the queue now (room freed), or failed
 
     def _try_send_on(self, conn: Conn | None, outbox: Outbox, frames: Sequence[Buffer]) -> bool:
         if not outbox.has_room():
             return False
-        outbox.queue.append(pack(self.url, frames))
-        if conn is not None and not conn.writing:
-            self._flush(conn)
+        self._push(conn, outbox, pack(self.url, frames))
         return True
+
+    def _attach_now(self) -> None:
+        """Attach to the running loop if there is one and it is not ours yet (a send made
+        outside a loop is written, or queued, and watched from the first use in one). An
+        endpoint serves one thread: while its loop runs, the caller runs in it."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            with contextlib.suppress(RuntimeError):
+                self._attach()
 
     # ------------------------------------------------------------ receiving
 
@@ -344,8 +415,7 @@ class _UdsRouter(_UdsEndpoint):
         await self._send_on(conn, conn.outbox, frames)
 
     def _try_send(self, frames: Sequence[Buffer], peer: bytes | None) -> bool:
-        with contextlib.suppress(RuntimeError):  # outside a loop: written, but not watched
-            self._attach()
+        self._attach_now()  # (outside a loop: written, but not watched)
         conn = self._conn_for(peer)
         return self._try_send_on(conn, conn.outbox, frames)
 
@@ -453,8 +523,7 @@ class _UdsDealer(_UdsEndpoint):
         await self._send_on(self._conn, self._outbox, frames)
 
     def _try_send(self, frames: Sequence[Buffer], peer: bytes | None) -> bool:
-        with contextlib.suppress(RuntimeError):  # outside a loop: queued for the first use
-            self._attach()
+        self._attach_now()  # (outside a loop: queued for the first use)
         return self._try_send_on(self._conn, self._outbox, frames)
 
     def _close(self) -> None:

@@ -172,6 +172,19 @@ async def idle(rt: of.Runtime) -> dict[str, int]:
     raise AssertionError(f"still in flight: {rt.remote.statistics()}")
 
 
+async def calls_held(rt: of.Runtime) -> dict[str, int]:
+    """Per worker: the calls whose state there waits for the front's end_call, once none is
+    left anywhere or after 30 s (end_call follows a call's end without waiting for it)."""
+    assert rt.remote is not None
+    held: dict[str, int] = {}
+    for _ in range(300):
+        held = {n: w["work"]["calls"] for n, w in (await rt.remote.worker_stats()).items()}
+        if not any(held.values()):
+            break
+        await asyncio.sleep(0.1)
+    return held
+
+
 @pytest.mark.slow
 async def test_chain_answers_as_in_process_and_runs_go_worker_to_worker(
     fast: bool, runtime: Callable[..., Any]
@@ -187,6 +200,9 @@ async def test_chain_answers_as_in_process_and_runs_go_worker_to_worker(
     # a -> b and b -> c are forwarded for every call; x -> a comes from the front
     assert s["forwarded"] == (40 if fast else 0)
     assert s["orphaned"] == 0
+    # Outputs that could have gone to the data plane but were small leave nothing behind (no
+    # end_call comes for them).
+    assert set((await calls_held(rt)).values()) == {0}
 
 
 @pytest.mark.slow
@@ -223,6 +239,7 @@ async def test_values_on_the_data_plane_take_the_front_way(
     )
     s = await idle(rt)
     assert s["forwarded"] == (6 if fast else 0)  # the small ones only
+    assert set((await calls_held(rt)).values()) == {0}  # the big ones' end_call came
 
 
 @pytest.mark.slow

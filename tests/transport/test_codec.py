@@ -407,3 +407,26 @@ def test_truncated_and_dropped_frames() -> None:
         decode(frames[:2])
     with pytest.raises(CodecError, match="announces 2 buffer frames, 3 arrived"):
         decode([*frames, b""])
+
+
+def test_an_encode_nested_in_another_packs_with_a_packer_of_its_own() -> None:
+    """The fast path's per-thread packer is taken while it packs: an encode that runs in the
+    middle (a finalizer the garbage collector runs then) must not write into its buffer."""
+    from omniflow.transport import _codec
+
+    nested: list[bytes] = []
+
+    class Busy:
+        def pack(self, obj: Any) -> bytes:
+            nested.append(_codec._fast_pack(["nested", 1]))
+            return b"outer"
+
+    busy = Busy()
+    saved = getattr(_codec._PACKERS, "packer", None)
+    _codec._PACKERS.packer = busy
+    try:
+        assert _codec._fast_pack(["outer"]) == b"outer"
+        assert nested == [msgpack.packb(["nested", 1])]
+        assert _codec._PACKERS.packer is busy  # given back once done
+    finally:
+        _codec._PACKERS.packer = saved

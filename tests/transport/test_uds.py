@@ -28,6 +28,7 @@ from omniflow.transport import (
     is_local,
     local_url,
 )
+from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._udswire import HANDSHAKE, MAX_FRAME_BYTES, MAX_FRAMES
 
 
@@ -223,6 +224,38 @@ async def test_a_burst_of_small_messages_arrives_in_few_batches_in_order(
             got += [tuple(p.frames) for p in await worker.recv_batch()]
         assert got == [(b"msg %04d" % i, b"x" * (i % 7)) for i in range(n)]
         assert batches <= 10, batches
+
+
+async def test_a_receiver_gets_every_message_in_order_from_the_reader_itself(
+    sock_dir: Path,
+) -> None:
+    """``set_receiver``: what arrived before is handed over on the next loop turn, a burst in
+    calls of at most MAX_DELIVERY, in order; ``None`` gives the messages back to ``recv``."""
+    calls: list[list[bytes]] = []
+
+    def receiver(packets: list[Packet]) -> None:
+        assert asyncio.current_task() is None  # the loop's reader callback, not a task
+        calls.append([bytes(p.frames[0]) for p in packets])
+
+    async with bind(f"uds://{sock_dir}/w.sock") as worker, connect(worker.url) as front:
+        assert front.try_send([b"early"])
+        await eventually(lambda: worker.statistics()["peers"] == 1, "the handshake")
+        await asyncio.sleep(0.05)  # "early" waits in the inbox (nobody receives yet)
+        assert worker.set_receiver(receiver)
+        n = 1000
+        for i in range(n):  # one burst, written before the reader runs
+            assert front.try_send([b"%04d" % i])
+        await eventually(lambda: sum(map(len, calls)) == n + 1, "every message")
+        assert [m for c in calls for m in c] == [b"early", *(b"%04d" % i for i in range(n))]
+        assert max(map(len, calls)) <= MAX_DELIVERY and len(calls) >= 1 + n // MAX_DELIVERY
+        assert worker.statistics()["received"] == n + 1
+        assert worker.set_receiver(None)
+        assert front.try_send([b"later"])
+        assert (await asyncio.wait_for(worker.recv(), 30)).frames == [b"later"]
+    with pytest.raises(RuntimeClosedError):
+        worker.set_receiver(receiver)  # closed
+    async with bind("inproc://no-receiver") as other:
+        assert not other.set_receiver(receiver)  # a transport without the path: recv_batch
 
 
 # ------------------------------------------------------------------------ back-pressure
