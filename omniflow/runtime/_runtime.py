@@ -190,6 +190,7 @@ class Runtime:
                 registry=registry,
                 on_frame=self._remote_frame,
                 on_done=self._ended,
+                on_return=self._remote_return,
                 plane=self.plane,
                 offload=offload,
                 connectors=edge_conns,
@@ -803,9 +804,24 @@ class Runtime:
         try:
             ins = core.handle(_new(Produced, (act, frame)))
             self._apply(call, core, ins)
-            handle = call._tasks.get(act)
-            if not ins.accepted and handle is not None and not core.closing:
-                handle.cancel()  # the core rejected the frame: stop the remote method
+            if not ins.accepted and not core.closing:
+                handle = call._tasks.get(act)
+                if handle is not None:
+                    handle.cancel()  # the core rejected the frame: stop the remote method
+            self._pump(call, core)
+        except Exception as exc:
+            self._crash(call, exc)
+
+    def _remote_return(self, call: Call, core: CallCore, act: Activation, frame: Any) -> None:
+        """A remote coroutine returned ``frame``: the frame and the end in one stimulus, as
+        for a local one (``_launch``)."""
+        if call.done:
+            return
+        try:
+            call._tasks.pop(act, None)
+            if self.metrics is not None:
+                self._observe(call, act, None)
+            self._apply(call, core, core.handle(_new(Returned, (act, frame, True))))
             self._pump(call, core)
         except Exception as exc:
             self._crash(call, exc)
