@@ -90,6 +90,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RemoteRoles"]
 
+_new = tuple.__new__
+
 logger = logging.getLogger("omniflow.remote")
 
 #: How the runtime shell is told about a remote activation's progress.
@@ -319,11 +321,12 @@ class RemoteRoles:
         if self.fast_path and targets is not None and len(targets) == 1:
             plans, fw = self._fast_routes(core.c, call.graph, act.node)
             p.routes = plans
-        run = Run(
+        # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+        run: Run = _new(Run, (
             call.call_id, act.aid, act.node, kwargs, call.session, act.group, act.seq[2],
             call.graph, off, self._threshold if off else None,
             self._connectors.get(act.node) or None, fw,
-        )  # fmt: skip
+        ))  # fmt: skip
         try:
             frames = encode_msg(run)
         except Exception as exc:
@@ -344,7 +347,7 @@ class RemoteRoles:
             assert call.session is not None
             self._defer(call.session, role, key, frames)
             return
-        self._send_run(key, frames, targets)
+        self._send_run(p, frames, targets)
 
     def _fast_routes(
         self, c: Compiled, graph: str, node: str
@@ -420,8 +423,9 @@ class RemoteRoles:
         self._orphans.setdefault(c, {})[wid] = rep
         rep.out.put_nowait(encode_msg(Cancel(c, wid)))
 
-    def _send_run(self, key: Key, frames: Any, targets: list[Replica]) -> None:
-        if self._pending[key].core.c.plan.params or self.track_calls:
+    def _send_run(self, p: _Pending, frames: Any, targets: list[Replica]) -> None:
+        key = p.key
+        if p.core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).update(targets)
         for rep in targets:
             rep.held.add(key)
@@ -472,7 +476,7 @@ class RemoteRoles:
                 self._replica_done(None, key, None)
                 continue
             p.replicas.append(rep)
-            self._send_run(key, frames, [rep])
+            self._send_run(p, frames, [rep])
 
     def _offload_inputs(self, key: Key, node: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Big inputs the front itself produced go to the worker through the front's pool."""
@@ -680,23 +684,26 @@ class RemoteRoles:
     def _orphan_early(self, c: str, a: Wid) -> None:
         """Activation ``a`` of call ``c`` ended: the runs forwarded below it that are still
         unbound can never be (its frames were all handled): orphans."""
-        waiting = self._early.get(c)
-        if not waiting:
+        waiting = self._early.get(c)  # (never empty: emptied ones are deleted)
+        if waiting is None or a not in waiting.kids:
             return
         for wid, rep, msgs in waiting.orphans_of(a):
             self._drop_early(rep, c, wid, msgs)
-        if not waiting:
+        if not waiting.early:
             del self._early[c]
 
     def _replay(self) -> None:
         """Deliver what bound forwarded runs sent before their binding, in order."""
-        while self._bound:
-            c, wid = self._bound.pop()
+        bound = self._bound
+        while bound:
+            c, wid = bound.pop()
             waiting = self._early.get(c)
-            entry = waiting.take(wid) if waiting else None
+            if waiting is None:
+                continue
+            entry = waiting.take(wid)
             if entry is None:
                 continue
-            if not waiting:
+            if not waiting.early:  # (the one it held was taken)
                 del self._early[c]
             rep, msgs = entry
             for m in msgs:
@@ -782,7 +789,7 @@ class RemoteRoles:
         bound ones sent before their binding is replayed."""
         for wid, plan, _q in expect.values():
             waiting = self._early.get(c)
-            entry = waiting.take(wid) if waiting else None
+            entry = waiting.take(wid) if waiting is not None else None
             if entry is None:
                 self._orphan(plan.rep, c, wid)
             else:
@@ -790,7 +797,7 @@ class RemoteRoles:
             if waiting is not None:
                 for sub, rep, msgs in waiting.orphans_of(wid):  # (it will bind none of them)
                     self._drop_early(rep, c, sub, msgs)
-                if not waiting:
+                if not waiting.early:
                     del self._early[c]
         self._replay()
 

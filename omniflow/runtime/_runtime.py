@@ -18,6 +18,7 @@ import enum
 import itertools
 import logging
 import math
+import operator
 import os
 import random
 import time
@@ -75,6 +76,8 @@ class RuntimeState(enum.Enum):
 
 
 _new = tuple.__new__
+#: A caller frame's value (``Emit`` is (field, value, node, seq index)).
+_value = operator.itemgetter(1)
 
 
 def _resume_cb(
@@ -611,8 +614,8 @@ class Runtime:
         if release:
             self._release(release)
         if emit:
-            if self.plane is not None:
-                emit = tuple(self._materialize(f) for f in emit)
+            if self.plane is not None and DataRef in map(type, map(_value, emit)):
+                emit = tuple(map(self._materialize, emit))
             call._push(emit)
             if self.metrics is not None:
                 out = self.metrics.frames_out
@@ -821,8 +824,7 @@ class Runtime:
             call._tasks.pop(act, None)
             if self.metrics is not None:
                 self._observe(call, act, None)
-            self._apply(call, core, core.handle(_new(Returned, (act, frame, True))))
-            self._pump(call, core)
+            self._step(call, core, _new(Returned, (act, frame, True)))
         except Exception as exc:
             self._crash(call, exc)
 
