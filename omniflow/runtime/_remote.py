@@ -581,6 +581,7 @@ class RemoteRoles:
             )
 
     def _on_done_msg(self, rep: Replica, msg: Done) -> None:
+        """An activation ended on ``rep``, with its coroutine's returned frame if it has one."""
         c, a, f, et, _em, _cancel, _tb, x = msg
         key = (c, a)
         if key not in rep.held:
