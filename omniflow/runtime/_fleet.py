@@ -106,6 +106,9 @@ class Replica:
         return f"Replica({self.replica_id!r}, {self.life.state.value})"
 
 
+#: The messages the fleet answers itself; every other kind is about calls (``on_message``).
+_FLEET_KINDS = frozenset({Heartbeat, Bye, Ready})
+
 #: Where the fleet hands a checked message about calls, and a lost replica's activations.
 OnMessage = Callable[[Replica, Message], None]
 OnLost = Callable[[Replica, str], None]
@@ -346,20 +349,17 @@ class Fleet:
             self.dropped(rep, "malformed", exc)
 
     def _handle(self, rep: Replica, msg: Message) -> None:
-        match msg:
-            case Heartbeat():
-                pass  # last_seen is updated for every authentic message
-            case Bye():
-                self._on_bye(rep)
-            case Ready(pid=pid):
-                if rep.ready is not None and not rep.ready.done():
-                    rep.pid = pid
-                    self.event(rep, ReplicaEvent.READY, f"pid {pid}")
-                    if rep.probation is not None:  # went missing while it connected
-                        self.event(rep, ReplicaEvent.MISSING, "gone from the registry")
-                    rep.ready.set_result(None)
-            case _:
-                self._on_message(rep, msg)
+        if type(msg) not in _FLEET_KINDS:  # about calls: the commonest, straight on
+            self._on_message(rep, msg)
+        elif type(msg) is Bye:
+            self._on_bye(rep)
+        elif type(msg) is Ready and rep.ready is not None and not rep.ready.done():
+            rep.pid = msg.pid
+            self.event(rep, ReplicaEvent.READY, f"pid {msg.pid}")
+            if rep.probation is not None:  # went missing while it connected
+                self.event(rep, ReplicaEvent.MISSING, "gone from the registry")
+            rep.ready.set_result(None)
+        # (a Heartbeat: last_seen is updated for every authentic message)
 
     def dropped(self, rep: Replica, reason: str | None, exc: BaseException | None = None) -> None:
         """A message from ``rep`` was dropped (counted, and logged now and then)."""

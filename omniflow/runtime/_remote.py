@@ -90,6 +90,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RemoteRoles"]
 
+_new = tuple.__new__
+
 logger = logging.getLogger("omniflow.remote")
 
 #: How the runtime shell is told about a remote activation's progress.
@@ -113,30 +115,36 @@ class _Plan:
     sub: tuple[_Plan, ...]
 
 
-@dataclass(slots=True)
 class _Pending:
-    """An activation running on one or more replicas."""
+    """An activation running on one or more replicas; the shell's task for it (in
+    ``call._tasks``): ``cancel()`` asks its replicas."""
 
-    call: Call
-    core: CallCore
-    act: Activation
-    replicas: list[Replica]
-    error: BaseException | None = None
-    #: The fast-path routes its run carried (index = route number in a frame's ``x``).
-    routes: tuple[_Plan, ...] = ()
-    #: Frames it sent so far (a forwarded run's id names the frame by this index).
-    k: int = 0
+    __slots__ = ("act", "call", "core", "error", "k", "key", "remote", "replicas", "routes")
 
-
-class _RemoteHandle:
-    """The shell's task for a remote activation (in ``call._tasks``): ``cancel()`` asks its
-    replicas."""
-
-    __slots__ = ("key", "remote")
-
-    def __init__(self, remote: RemoteRoles, key: Key) -> None:
+    def __init__(
+        self,
+        remote: RemoteRoles,
+        key: Key,
+        call: Call,
+        core: CallCore,
+        act: Activation,
+        replicas: list[Replica],
+        routes: tuple[_Plan, ...] = (),
+    ) -> None:
         self.remote = remote
+        #: (call id, wire id): its entry in ``RemoteRoles._pending`` and in replicas' ``held``.
         self.key = key
+        self.call = call
+        self.core = core
+        self.act = act
+        #: The replicas running it (its done comes from each).
+        self.replicas = replicas
+        #: The error to end it with (the first a replica reported, or a lost replica's).
+        self.error: BaseException | None = None
+        #: The fast-path routes its run carried (index = route number in a frame's ``x``).
+        self.routes = routes
+        #: Frames it sent so far (a forwarded run's id names the frame by this index).
+        self.k = 0
 
     def cancel(self) -> None:
         self.remote._cancel(self.key)
@@ -152,6 +160,7 @@ class RemoteRoles:
         registry: str | None,
         on_frame: OnFrame,
         on_done: OnDone,
+        on_return: OnFrame,
         heartbeat_interval: float = 1.0,
         start_timeout: float = 60.0,
         plane: DataPlane | None = None,
@@ -205,6 +214,8 @@ class RemoteRoles:
         self._stats_ids = itertools.count(1)
         self._on_frame = on_frame
         self._on_done = on_done
+        #: A done with its coroutine's returned frame (the frame and the end in one).
+        self._on_return = on_return
         self._pending: dict[Key, _Pending] = {}
         #: (graph, node) -> its fast-path edges (from the plan; ``_forward.hops``).
         self._hops: dict[tuple[str, str], tuple[Hop, ...]] = {}
@@ -293,8 +304,8 @@ class RemoteRoles:
             self._on_done(call, core, act, self._no_replica(call, act, role))
             return
         key = (call.call_id, act.aid)
-        self._pending[key] = _Pending(call, core, act, list(targets or ()))
-        call._tasks[act] = _RemoteHandle(self, key)
+        p = self._pending[key] = _Pending(self, key, call, core, act, list(targets or ()))
+        call._tasks[act] = p
         kwargs = act.kwargs
         plane = self.plane
         # Big inputs go through the front's pool when every replica it may reach (a run
@@ -309,12 +320,13 @@ class RemoteRoles:
         fw = None
         if self.fast_path and targets is not None and len(targets) == 1:
             plans, fw = self._fast_routes(core.c, call.graph, act.node)
-            self._pending[key].routes = plans
-        run = Run(
+            p.routes = plans
+        # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+        run: Run = _new(Run, (
             call.call_id, act.aid, act.node, kwargs, call.session, act.group, act.seq[2],
             call.graph, off, self._threshold if off else None,
             self._connectors.get(act.node) or None, fw,
-        )  # fmt: skip
+        ))  # fmt: skip
         try:
             frames = encode_msg(run)
         except Exception as exc:
@@ -335,7 +347,7 @@ class RemoteRoles:
             assert call.session is not None
             self._defer(call.session, role, key, frames)
             return
-        self._send_run(key, frames, targets)
+        self._send_run(p, frames, targets)
 
     def _fast_routes(
         self, c: Compiled, graph: str, node: str
@@ -382,18 +394,19 @@ class RemoteRoles:
         False (``wid`` orphaned) if anything differs from what was forwarded."""
         rep = plan.rep
         hop = plan.hop
+        kwargs = act.kwargs
         if (
             not rep.life.routable
             or act.group != hop.group
             or act.seq[2] != q
-            or len(act.kwargs) != 1
-            or hop.field not in act.kwargs
+            or len(kwargs) != 1
+            or hop.field not in kwargs
         ):
             self._orphan(rep, call.call_id, wid)
             return False
         key = (call.call_id, wid)
-        self._pending[key] = _Pending(call, core, act, [rep], routes=plan.sub)
-        call._tasks[act] = _RemoteHandle(self, key)
+        p = self._pending[key] = _Pending(self, key, call, core, act, [rep], plan.sub)
+        call._tasks[act] = p
         if core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).add(rep)
         rep.held.add(key)
@@ -410,8 +423,9 @@ class RemoteRoles:
         self._orphans.setdefault(c, {})[wid] = rep
         rep.out.put_nowait(encode_msg(Cancel(c, wid)))
 
-    def _send_run(self, key: Key, frames: Any, targets: list[Replica]) -> None:
-        if self._pending[key].core.c.plan.params or self.track_calls:
+    def _send_run(self, p: _Pending, frames: Any, targets: list[Replica]) -> None:
+        key = p.key
+        if p.core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).update(targets)
         for rep in targets:
             rep.held.add(key)
@@ -462,7 +476,7 @@ class RemoteRoles:
                 self._replica_done(None, key, None)
                 continue
             p.replicas.append(rep)
-            self._send_run(key, frames, [rep])
+            self._send_run(p, frames, [rep])
 
     def _offload_inputs(self, key: Key, node: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Big inputs the front itself produced go to the worker through the front's pool."""
@@ -527,49 +541,62 @@ class RemoteRoles:
 
     def _on_message(self, rep: Replica, msg: Message) -> None:
         """A checked message about calls from ``rep`` (the fleet handles its own kinds)."""
-        match msg:
-            case Frame(c=c, a=a, f=f, x=x):
-                if (c, a) not in rep.held and type(a) is str:
-                    self._stray(rep, c, a, msg)
-                else:
-                    self._replica_frame(rep, c, a, f, x)
-            case Frames(c=c, a=a, fs=fs, xs=xs):  # consecutive frames of one generator act
-                if (c, a) not in rep.held and type(a) is str:
-                    self._stray(rep, c, a, msg)
-                elif xs is None:
-                    for frame in fs:
-                        self._replica_frame(rep, c, a, frame)
-                elif len(xs) != len(fs):
-                    self.fleet.dropped(
-                        rep, "malformed", OmniflowError("frames: len(xs) != len(fs)")
-                    )
-                else:
-                    for frame, x in zip(fs, xs, strict=True):
-                        self._replica_frame(rep, c, a, frame, x)
-            case Done(c=c, a=a, f=f, x=x):
-                if (c, a) not in rep.held and type(a) is str:
-                    self._stray(rep, c, a, msg)
-                    return
-                if not self._runs(rep, c, a, "done"):
-                    return
-                if f is not None:  # a coroutine's returned frame rides in its done
-                    self._replica_frame(rep, c, a, f, x)
-                self._replica_done(rep, (c, a), msg)
-            case StatsReply(r=r):
-                fut = self._stats_waiting.pop(r, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg._asdict())
-            case MetaCall(r=r, op=op, args=args):
-                # In order: each call is atomic (no await inside) and tasks start FIFO.
-                task = asyncio.get_running_loop().create_task(self._meta_call(rep, r, op, args))
-                self._meta_tasks.add(task)
-                task.add_done_callback(self._meta_tasks.discard)
-            case _:
-                self.fleet.dropped(
-                    rep,
-                    "unknown_kind",
-                    OmniflowError(f"a front does not take {type(msg).__name__}"),
-                )
+        # By exact type, the commonest first (a decoded message is never a subclass).
+        if type(msg) is Done:
+            self._on_done_msg(rep, msg)
+        elif type(msg) is Frames:  # consecutive frames of one generator act
+            c, a, fs, xs = msg
+            if (c, a) not in rep.held and type(a) is str:
+                self._stray(rep, c, a, msg)
+            elif xs is None:
+                for frame in fs:
+                    self._replica_frame(rep, c, a, frame)
+            elif len(xs) != len(fs):
+                self.fleet.dropped(rep, "malformed", OmniflowError("frames: len(xs) != len(fs)"))
+            else:
+                for frame, x in zip(fs, xs, strict=True):
+                    self._replica_frame(rep, c, a, frame, x)
+        elif type(msg) is Frame:
+            c, a, f, x = msg
+            if (c, a) not in rep.held and type(a) is str:
+                self._stray(rep, c, a, msg)
+            else:
+                self._replica_frame(rep, c, a, f, x)
+        elif type(msg) is StatsReply:
+            fut = self._stats_waiting.pop(msg.r, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg._asdict())
+        elif type(msg) is MetaCall:
+            # In order: each call is atomic (no await inside) and tasks start FIFO.
+            task = asyncio.get_running_loop().create_task(
+                self._meta_call(rep, msg.r, msg.op, msg.args)
+            )
+            self._meta_tasks.add(task)
+            task.add_done_callback(self._meta_tasks.discard)
+        else:
+            self.fleet.dropped(
+                rep,
+                "unknown_kind",
+                OmniflowError(f"a front does not take {type(msg).__name__}"),
+            )
+
+    def _on_done_msg(self, rep: Replica, msg: Done) -> None:
+        """An activation ended on ``rep``, with its coroutine's returned frame if it has one."""
+        c, a, f, et, _em, _cancel, _tb, x = msg
+        key = (c, a)
+        if key not in rep.held:
+            if type(a) is str:
+                self._stray(rep, c, a, msg)
+            else:
+                self._foreign(rep, c, a, "done")
+            return
+        if f is not None:  # a coroutine's returned frame rides in its done
+            p = self._pending.get(key)
+            if p is not None and et is None and p.error is None and len(p.replicas) == 1:
+                self._returned(rep, p, f, x)
+                return
+            self._replica_frame(rep, c, a, f, x)  # (first, then the done)
+        self._replica_done(rep, key, msg)
 
     async def _meta_call(self, rep: Replica, r: int, op: str, args: list[Any]) -> None:
         """Answer one call of a worker's pool on the front-hosted metadata."""
@@ -658,68 +685,112 @@ class RemoteRoles:
     def _orphan_early(self, c: str, a: Wid) -> None:
         """Activation ``a`` of call ``c`` ended: the runs forwarded below it that are still
         unbound can never be (its frames were all handled): orphans."""
-        waiting = self._early.get(c)
-        if not waiting:
+        waiting = self._early.get(c)  # (never empty: emptied ones are deleted)
+        if waiting is None or a not in waiting.kids:
             return
         for wid, rep, msgs in waiting.orphans_of(a):
             self._drop_early(rep, c, wid, msgs)
-        if not waiting:
+        if not waiting.early:
             del self._early[c]
 
     def _replay(self) -> None:
         """Deliver what bound forwarded runs sent before their binding, in order."""
-        while self._bound:
-            c, wid = self._bound.pop()
+        bound = self._bound
+        while bound:
+            c, wid = bound.pop()
             waiting = self._early.get(c)
-            entry = waiting.take(wid) if waiting else None
+            if waiting is None:
+                continue
+            entry = waiting.take(wid)
             if entry is None:
                 continue
-            if not waiting:
+            if not waiting.early:  # (the one it held was taken)
                 del self._early[c]
             rep, msgs = entry
             for m in msgs:
                 self._on_message(rep, m)
 
-    def _runs(self, rep: Replica, c: str, a: Wid, what: str) -> bool:
+    def _foreign(self, rep: Replica, c: str, a: Wid, what: str) -> None:
         """Only the replica that runs an activation speaks for it; anything else is dropped."""
-        if (c, a) in rep.held:
-            return True
         foreign = OmniflowError(f"a {what} of ({c!r:.40}, {a}), which it does not run")
         self.fleet.dropped(rep, "foreign", foreign)
-        return False
 
     def _replica_frame(
         self, rep: Replica, c: str, a: Wid, frame: Any, x: list[Any] | None = None
     ) -> None:
-        if not self._runs(rep, c, a, "frame"):
+        key = (c, a)
+        if key not in rep.held:
+            self._foreign(rep, c, a, "frame")
             return
-        p = self._pending.get((c, a))
+        p = self._pending.get(key)
         if p is None:
             return
-        if isinstance(frame, dict) and any(type(v) is DataRef for v in frame.values()):
-            self._call_replicas.setdefault(p.call.call_id, set()).add(rep)
+        if isinstance(frame, dict) and DataRef in map(type, frame.values()):
+            self._call_replicas.setdefault(c, set()).add(rep)
         k = p.k
         p.k = k + 1
         if x is None:
             self._on_frame(p.call, p.core, p.act, frame)
             return
-        expect: dict[str, tuple[str, _Plan, int]] = {}
-        for item in x:
-            r, wid = item if type(item) is list and len(item) == 2 else (None, None)
-            if type(r) is not int or not 0 <= r < len(p.routes) or wid != wire_id(a, k, r):
-                self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
-                continue
-            plan = p.routes[r]
-            q = k if plan.hop.qk else p.act.seq[2]
-            expect[plan.hop.node] = (wid, plan, q)
+        expect = self._expecting(rep, p, k, x)
         self._expect = expect
         try:
             self._on_frame(p.call, p.core, p.act, frame)
         finally:
             self._expect = None
-        for wid, plan, _q in expect.values():  # forwarded runs the core did not make
+        self._settle_forwards(c, expect)
+
+    def _returned(self, rep: Replica, p: _Pending, frame: Any, x: list[Any] | None) -> None:
+        """The done of ``p``'s one replica with its coroutine's returned frame: one stimulus,
+        as a local coroutine's return is (the core takes the frame and the end together and
+        settles once)."""
+        key = p.key
+        rep.held.discard(key)
+        del self._pending[key]
+        call = p.call
+        if isinstance(frame, dict) and DataRef in map(type, frame.values()):
+            self._call_replicas.setdefault(key[0], set()).add(rep)
+        front_refs = self._front_refs.pop(key, None)
+        if front_refs and self.plane is not None:
+            for ref in front_refs:
+                self.plane.release(ref)
+        if x is None:
+            self._on_return(call, p.core, p.act, frame)
+        else:
+            expect = self._expecting(rep, p, p.k, x)
+            self._expect = expect
+            try:
+                self._on_return(call, p.core, p.act, frame)
+            finally:
+                self._expect = None
+            self._settle_forwards(key[0], expect)
+        if p.routes:
+            self._orphan_early(*key)
+
+    def _expecting(
+        self, rep: Replica, p: _Pending, k: int, x: list[Any]
+    ) -> dict[str, tuple[str, _Plan, int]]:
+        """What frame ``k`` of ``p`` forwarded (its ``x``): node -> (wire id, route, the SeqId
+        index its activation must have), for ``submit`` to bind while the core handles it."""
+        routes = p.routes
+        a = p.key[1]
+        expect: dict[str, tuple[str, _Plan, int]] = {}
+        for item in x:
+            r, wid = item if type(item) is list and len(item) == 2 else (None, None)
+            if type(r) is not int or not 0 <= r < len(routes) or wid != wire_id(a, k, r):
+                self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
+                continue
+            plan = routes[r]
+            expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2])
+        return expect
+
+    def _settle_forwards(self, c: str, expect: dict[str, tuple[str, _Plan, int]]) -> None:
+        """The core handled a frame that forwarded runs: those it did not make (still in
+        ``expect``) are orphans, with what they sent and their unbound descendants; what the
+        bound ones sent before their binding is replayed."""
+        for wid, plan, _q in expect.values():
             waiting = self._early.get(c)
-            entry = waiting.take(wid) if waiting else None
+            entry = waiting.take(wid) if waiting is not None else None
             if entry is None:
                 self._orphan(plan.rep, c, wid)
             else:
@@ -727,7 +798,7 @@ class RemoteRoles:
             if waiting is not None:
                 for sub, rep, msgs in waiting.orphans_of(wid):  # (it will bind none of them)
                     self._drop_early(rep, c, sub, msgs)
-                if not waiting:
+                if not waiting.early:
                     del self._early[c]
         self._replay()
 

@@ -65,6 +65,10 @@ class ReplicaState(enum.Enum):
     #: Dead, and a new replica is being started in its slot.
     RESTARTING = "restarting"
 
+    # Members are singletons: hash them by identity, in C (``Enum.__hash__`` is Python code,
+    # and ``routable`` is asked on every run and every forwarded binding).
+    __hash__ = object.__hash__
+
 
 class ReplicaEvent(enum.Enum):
     READY = "ready"

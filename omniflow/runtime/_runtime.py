@@ -18,6 +18,7 @@ import enum
 import itertools
 import logging
 import math
+import operator
 import os
 import random
 import time
@@ -75,6 +76,8 @@ class RuntimeState(enum.Enum):
 
 
 _new = tuple.__new__
+#: A caller frame's value (``Emit`` is (field, value, node, seq index)).
+_value = operator.itemgetter(1)
 
 
 def _resume_cb(
@@ -190,6 +193,7 @@ class Runtime:
                 registry=registry,
                 on_frame=self._remote_frame,
                 on_done=self._ended,
+                on_return=self._remote_return,
                 plane=self.plane,
                 offload=offload,
                 connectors=edge_conns,
@@ -610,8 +614,8 @@ class Runtime:
         if release:
             self._release(release)
         if emit:
-            if self.plane is not None:
-                emit = tuple(self._materialize(f) for f in emit)
+            if self.plane is not None and DataRef in map(type, map(_value, emit)):
+                emit = tuple(map(self._materialize, emit))
             call._push(emit)
             if self.metrics is not None:
                 out = self.metrics.frames_out
@@ -803,10 +807,24 @@ class Runtime:
         try:
             ins = core.handle(_new(Produced, (act, frame)))
             self._apply(call, core, ins)
-            handle = call._tasks.get(act)
-            if not ins.accepted and handle is not None and not core.closing:
-                handle.cancel()  # the core rejected the frame: stop the remote method
+            if not ins.accepted and not core.closing:
+                handle = call._tasks.get(act)
+                if handle is not None:
+                    handle.cancel()  # the core rejected the frame: stop the remote method
             self._pump(call, core)
+        except Exception as exc:
+            self._crash(call, exc)
+
+    def _remote_return(self, call: Call, core: CallCore, act: Activation, frame: Any) -> None:
+        """A remote coroutine returned ``frame``: the frame and the end in one stimulus, as
+        for a local one (``_launch``)."""
+        if call.done:
+            return
+        try:
+            call._tasks.pop(act, None)
+            if self.metrics is not None:
+                self._observe(call, act, None)
+            self._step(call, core, _new(Returned, (act, frame, True)))
         except Exception as exc:
             self._crash(call, exc)
 

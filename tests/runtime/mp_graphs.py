@@ -135,3 +135,25 @@ session = of.Graph(
     inputs=[of.Placeholder("x")],
     outputs=["where"],
 )
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+class Everywhere(of.Role):
+    """Runs on every replica (lb="broadcast"), each returning its own pid; the replica whose
+    pid is ``fail`` raises instead."""
+
+    @of.interface(inputs_or=[["fail"]], outputs=["where"], lb="broadcast")
+    async def run(self, fail: int) -> dict[str, Any]:
+        if os.getpid() == fail:
+            raise ValueError(f"replica {fail} fails")
+        return {"where": os.getpid()}
+
+
+broadcast = of.Graph(
+    "mp_broadcast",
+    roles={"everywhere": Everywhere()},
+    inputs=[of.Placeholder("fail")],
+    outputs=["where"],
+)

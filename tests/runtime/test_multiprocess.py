@@ -225,6 +225,27 @@ def test_a_graph_built_in_main_cannot_be_placed_in_a_worker() -> None:
     of.Runtime(namespace["g"], placement=of.Deploy({}))  # nothing placed: fine
 
 
+async def test_a_broadcast_activation_takes_every_replicas_return() -> None:
+    """lb="broadcast" runs the node on every replica. Each replica's done carries its
+    returned frame; the activation ends with the last done, failed if a replica failed (the
+    other replica's frame still reaches the caller)."""
+    async with front(mp.broadcast, of.Deploy({"everywhere": {"replicas": 2}})) as rt:
+        assert rt.remote is not None
+        pids = sorted(r.pid for r in rt.remote.fleet.replicas.values() if r.pid is not None)
+        assert len(pids) == 2
+        for _ in range(3):
+            out = await rt.run("mp_broadcast", {"fail": 0})
+            assert sorted(out["where"]) == pids
+            for failing, other in (pids, pids[::-1]):
+                call = rt.call("mp_broadcast", {"fail": failing})
+                assert await call.collect() == {"where": [other]}
+                assert call.status == "error"
+                [err] = call.errors
+                assert err.node == "everywhere.run" and err.exc_type == "ValueError"
+                assert f"replica {failing} fails" in err.message
+        assert idle(rt)
+
+
 # ---------------------------------------------------------------- 2. scaling by hand
 
 
