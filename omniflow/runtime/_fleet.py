@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -213,7 +214,10 @@ class Fleet:
         if rep.ready is None:
             rep.ready = loop.create_future()
         rep.tasks.append(loop.create_task(self._write(rep)))
-        rep.tasks.append(loop.create_task(self._read(rep)))
+        # Replies are handled in the loop's reader callback where the transport can (uds://:
+        # no task wakes up per burst), else by a task that receives them.
+        if not rep.endpoint.set_receiver(functools.partial(self._take, rep)):
+            rep.tasks.append(loop.create_task(self._read(rep)))
         rep.out.put_nowait(encode_msg(Hello(self.token, self.heartbeat_interval)))
         await rep.ready
         rep.last_seen = loop.time()
@@ -310,34 +314,38 @@ class Fleet:
                 return
 
     async def _read(self, rep: Replica) -> None:
-        loop = asyncio.get_running_loop()
-        opener = self._opener
         while True:
             try:
                 batch = await rep.endpoint.recv_batch()
             except (RuntimeClosedError, TransportError, asyncio.CancelledError):
                 return
-            self.in_batch = True
-            try:
-                for _peer, frames in batch:
-                    inner = opener.open(frames)
-                    if inner is None:
-                        self.dropped(rep, None)
-                        continue
-                    rep.last_seen = loop.time()
-                    try:
-                        msg = decode_msg(inner)
-                        if type(msg) is Batch:
-                            for m in msg.ms:
-                                self._handle_inner(rep, m)
-                        else:
-                            self._handle(rep, msg)
-                    except ProtocolError as exc:
-                        self.dropped(rep, exc.reason, exc)
-                    except (KeyError, TypeError, ValueError) as exc:  # a malformed body
-                        self.dropped(rep, "malformed", exc)
-            finally:
-                self.in_batch = False
+            self._take(rep, batch)
+
+    def _take(self, rep: Replica, batch: list[Any]) -> None:
+        """Handle what ``rep`` sent: check, decode, dispatch each message."""
+        opener = self._opener
+        time = asyncio.get_running_loop().time
+        self.in_batch = True
+        try:
+            for _peer, frames in batch:
+                inner = opener.open(frames)
+                if inner is None:
+                    self.dropped(rep, None)
+                    continue
+                rep.last_seen = time()
+                try:
+                    msg = decode_msg(inner)
+                    if type(msg) is Batch:
+                        for m in msg.ms:
+                            self._handle_inner(rep, m)
+                    else:
+                        self._handle(rep, msg)
+                except ProtocolError as exc:
+                    self.dropped(rep, exc.reason, exc)
+                except (KeyError, TypeError, ValueError) as exc:  # a malformed body
+                    self.dropped(rep, "malformed", exc)
+        finally:
+            self.in_batch = False
 
     def _handle_inner(self, rep: Replica, m: Any) -> None:
         """One message of a batch (a bad one is dropped alone)."""
