@@ -58,7 +58,6 @@ from omniflow.runtime._forward import (
     Waiting,
     hops,
     parent_of,
-    wire_id,
 )
 from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
@@ -609,7 +608,7 @@ class RemoteRoles:
         key = (c, a)
         if key not in rep.held:
             if type(a) is str:
-                self._stray(rep, c, a, Done(c, a, f, x=x))
+                self._stray(rep, c, a, _new(Done, (c, a, f, None, None, False, None, x)))
             else:
                 self._foreign(rep, c, a, "done")
             return
@@ -816,12 +815,14 @@ class RemoteRoles:
         a = p.key[1]
         expect: dict[str, tuple[str, _Plan, int]] = {}
         for item in x:
-            r, wid = item if type(item) is list and len(item) == 2 else (None, None)
-            if type(r) is not int or not 0 <= r < len(routes) or wid != wire_id(a, k, r):
-                self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
-                continue
-            plan = routes[r]
-            expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2])
+            if type(item) is list and len(item) == 2:
+                r, wid = item
+                # (``wire_id(a, k, r)``, inline: once per forwarded run)
+                if type(r) is int and 0 <= r < len(routes) and wid == f"{a}.{k}.{r}":
+                    plan = routes[r]
+                    expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2])
+                    continue
+            self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
         return expect
 
     def _settle_forwards(self, c: str, expect: dict[str, tuple[str, _Plan, int]]) -> None:
