@@ -58,7 +58,6 @@ from omniflow.runtime._forward import (
     Waiting,
     hops,
     parent_of,
-    wire_id,
 )
 from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
@@ -69,6 +68,7 @@ from omniflow.transport._protocol import (
     Cancel,
     CloseSession,
     Done,
+    Dones,
     EndCall,
     Frame,
     Frames,
@@ -101,6 +101,8 @@ OnDone = Callable[["Call", "CallCore", "Activation", BaseException | None], None
 
 #: A run's wire id: the front's activation id, or a forwarded run's str id (``_forward``).
 Wid = int | str
+#: The exact types of a wire activation id (front's int, forwarded run's str).
+_WID = (int, str)
 #: (call id, wire id): how the front knows a remote activation.
 Key = tuple[str, Wid]
 
@@ -542,7 +544,9 @@ class RemoteRoles:
     def _on_message(self, rep: Replica, msg: Message) -> None:
         """A checked message about calls from ``rep`` (the fleet handles its own kinds)."""
         # By exact type, the commonest first (a decoded message is never a subclass).
-        if type(msg) is Done:
+        if type(msg) is Dones:
+            self._on_dones(rep, msg)
+        elif type(msg) is Done:
             self._on_done_msg(rep, msg)
         elif type(msg) is Frames:  # consecutive frames of one generator act
             c, a, fs, xs = msg
@@ -580,9 +584,48 @@ class RemoteRoles:
                 OmniflowError(f"a front does not take {type(msg).__name__}"),
             )
 
+    def _on_dones(self, rep: Replica, msg: Dones) -> None:
+        """Activations that ended well on ``rep``, one record at a time (a bad record is
+        dropped alone)."""
+        cs, as_, fs, xs = msg
+        n = len(cs)
+        if len(as_) != n or len(fs) != n or len(xs) != n:
+            self.fleet.dropped(rep, "malformed", OmniflowError("dones: lists of unlike lengths"))
+            return
+        for c, a, f, x in zip(cs, as_, fs, xs, strict=True):
+            if type(c) is not str or type(a) not in _WID or (x is not None and type(x) is not list):
+                bad = OmniflowError(f"dones: a record ({c!r:.40}, {a!r:.40}, x={x!r:.40})")
+                self.fleet.dropped(rep, "malformed", bad)
+                continue
+            try:
+                self._good_end(rep, c, a, f, x)
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed value
+                self.fleet.dropped(rep, "malformed", exc)
+
+    def _good_end(self, rep: Replica, c: str, a: Wid, f: Any, x: list[Any] | None) -> None:
+        """An activation ended well on ``rep``, with its coroutine's returned frame ``f`` if
+        it has one (not None)."""
+        key = (c, a)
+        if key not in rep.held:
+            if type(a) is str:
+                self._stray(rep, c, a, _new(Done, (c, a, f, None, None, False, None, x)))
+            else:
+                self._foreign(rep, c, a, "done")
+            return
+        if f is not None:  # a coroutine's returned frame rides in its done
+            p = self._pending.get(key)
+            if p is not None and p.error is None and len(p.replicas) == 1:
+                self._returned(rep, p, f, x)
+                return
+            self._replica_frame(rep, c, a, f, x)  # (first, then the done)
+        self._replica_done(rep, key, None)
+
     def _on_done_msg(self, rep: Replica, msg: Done) -> None:
         """An activation ended on ``rep``, with its coroutine's returned frame if it has one."""
         c, a, f, et, _em, _cancel, _tb, x = msg
+        if et is None:
+            self._good_end(rep, c, a, f, x)
+            return
         key = (c, a)
         if key not in rep.held:
             if type(a) is str:
@@ -590,12 +633,8 @@ class RemoteRoles:
             else:
                 self._foreign(rep, c, a, "done")
             return
-        if f is not None:  # a coroutine's returned frame rides in its done
-            p = self._pending.get(key)
-            if p is not None and et is None and p.error is None and len(p.replicas) == 1:
-                self._returned(rep, p, f, x)
-                return
-            self._replica_frame(rep, c, a, f, x)  # (first, then the done)
+        if f is not None:  # (a frame with a failure: first, then the done)
+            self._replica_frame(rep, c, a, f, x)
         self._replica_done(rep, key, msg)
 
     async def _meta_call(self, rep: Replica, r: int, op: str, args: list[Any]) -> None:
@@ -776,12 +815,14 @@ class RemoteRoles:
         a = p.key[1]
         expect: dict[str, tuple[str, _Plan, int]] = {}
         for item in x:
-            r, wid = item if type(item) is list and len(item) == 2 else (None, None)
-            if type(r) is not int or not 0 <= r < len(routes) or wid != wire_id(a, k, r):
-                self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
-                continue
-            plan = routes[r]
-            expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2])
+            if type(item) is list and len(item) == 2:
+                r, wid = item
+                # (``wire_id(a, k, r)``, inline: once per forwarded run)
+                if type(r) is int and 0 <= r < len(routes) and wid == f"{a}.{k}.{r}":
+                    plan = routes[r]
+                    expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2])
+                    continue
+            self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
         return expect
 
     def _settle_forwards(self, c: str, expect: dict[str, tuple[str, _Plan, int]]) -> None:

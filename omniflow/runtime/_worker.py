@@ -51,11 +51,13 @@ from omniflow.transport import bind, connect, fast_path_enabled
 from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
 from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._protocol import (
+    MAX_BATCH,
     Batch,
     Bye,
     Cancel,
     CloseSession,
     Done,
+    Dones,
     EndCall,
     Forward,
     Frame,
@@ -209,9 +211,10 @@ class Worker:
         #: The writer holds a message it has not sent yet.
         self._writing = False
         #: Handling a batch of received messages: what they make waits here, per peer or
-        #: link address, and leaves as few messages as possible when the batch is handled.
+        #: link address, and leaves as few messages as possible when the batch is handled
+        #: (consecutive good ends to one peer gather in a ``_DoneBatch``: one ``Dones``).
         self._reading = False
-        self._held: dict[bytes | None, list[list[Any]]] = {}
+        self._held: dict[bytes | None, list[list[Any] | _DoneBatch]] = {}
         self._held_links: dict[str, list[list[Any]]] = {}
         #: Peer -> heartbeat interval it asked for.
         self._intervals: dict[bytes | None, float] = {}
@@ -459,9 +462,15 @@ class Worker:
                 for frames in batch(items):
                     self._link_send(address, frames)
         if self._held:
-            held, self._held = self._held, {}
-            for peer, items in held.items():
-                for frames in batch(items):
+            held_peers, self._held = self._held, {}
+            for peer, waiting in held_peers.items():
+                envelopes: list[list[Any]] = []
+                for item in waiting:
+                    if isinstance(item, _DoneBatch):
+                        envelopes.extend(item.encoded())
+                    else:
+                        envelopes.append(item)
+                for frames in batch(envelopes):
                     self._put(peer, frames)
 
     def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
@@ -901,7 +910,9 @@ class Worker:
             try:
                 placed = self._placed(peer, c, a, frame) if self._offload else frame
                 x = self._forward(key, placed) if self._fw else None
-                if x is None:
+                if self._reading:  # encoded with the others at the flush (``_DoneBatch``)
+                    self._hold_done(peer, c, a, placed, x)
+                elif x is None:
                     self._put(peer, encode_fields(Done, c, a, placed))
                 else:  # (what it forwarded, if this cannot be sent, the front orphans)
                     self._put(peer, encode_fields(Done, c, a, placed, None, None, False, None, x))
@@ -918,12 +929,70 @@ class Worker:
         self._offload.pop(key, None)
         self._fw.pop(key, None)
         if exc is None:
-            self._send(peer, Done(c, a))
-        elif isinstance(exc, asyncio.CancelledError):
-            self._send(peer, Done(c, a, None, type(exc).__name__, str(exc), True))
+            if self._reading:
+                self._hold_done(peer, c, a, None, None)
+            else:
+                self._send(peer, Done(c, a))
         else:
-            tb = "".join(traceback.format_exception(exc))
-            self._send(peer, Done(c, a, None, type(exc).__name__, str(exc), False, tb))
+            self._send(peer, _failed(c, a, exc))
+
+    def _hold_done(
+        self, peer: bytes | None, c: str, a: int | str, frame: Any, x: list[Any] | None
+    ) -> None:
+        """Hold a good end for the flush: with the good ends held for ``peer`` just before
+        it, it leaves as one ``Dones`` (in its place among what is held)."""
+        items = self._held.setdefault(peer, [])
+        last = items[-1] if items else None
+        if type(last) is _DoneBatch and len(last.cs) < MAX_BATCH:
+            last.cs.append(c)
+            last.as_.append(a)
+            last.fs.append(frame)
+            last.xs.append(x)
+        else:
+            items.append(_DoneBatch(c, a, frame, x))
+
+
+def _failed(c: str, a: int | str, exc: BaseException) -> Done:
+    """The done of an activation that failed with ``exc`` (a cancellation says so)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return Done(c, a, None, type(exc).__name__, str(exc), True)
+    tb = "".join(traceback.format_exception(exc))
+    return Done(c, a, None, type(exc).__name__, str(exc), False, tb)
+
+
+class _DoneBatch:
+    """Good ends held for one peer, in order: encoded together when the held messages leave."""
+
+    __slots__ = ("as_", "cs", "fs", "xs")
+
+    def __init__(self, c: str, a: int | str, frame: Any, x: list[Any] | None) -> None:
+        self.cs = [c]
+        self.as_ = [a]
+        self.fs = [frame]
+        self.xs = [x]
+
+    def encoded(self) -> list[list[Any]]:
+        """The envelopes: one ``Dones`` (a ``Done`` for one end). A frame the wire cannot
+        carry fails its activation alone: then each end is encoded on its own (what such a
+        one forwarded, the front orphans, as for a ``Done``)."""
+        if len(self.cs) > 1:
+            try:
+                return [encode_fields(Dones, self.cs, self.as_, self.fs, self.xs)]
+            except Exception:  # (rare: find the one that cannot be sent)
+                pass
+        return [
+            _encoded_done(*end) for end in zip(self.cs, self.as_, self.fs, self.xs, strict=True)
+        ]
+
+
+def _encoded_done(c: str, a: int | str, frame: Any, x: list[Any] | None) -> list[Any]:
+    """The envelope of one good end; a failed one if the wire cannot carry ``frame``."""
+    try:
+        if x is not None:
+            return encode_fields(Done, c, a, frame, None, None, False, None, x)
+        return encode_fields(Done, c, a, frame) if frame is not None else encode_fields(Done, c, a)
+    except Exception as e:
+        return encode_msg(_failed(c, a, _Unsendable.sending(e)))
 
 
 class _FrameBatch:

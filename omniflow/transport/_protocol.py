@@ -5,6 +5,7 @@
     Run    (c, a, n, k, s, g, q, gr,           Frame  (c, a, f, x)         (any number)
             off, th, conn, fw)                 Frames (c, a, fs, xs)       (several, in order)
     Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
+                                               Dones  (cs, as_, fs, xs)    (good ends, together)
     Release (refs)   EndCall (c)               Heartbeat ()                (every interval)
     SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work)
     StatsRequest (r)   CloseSession (s)
@@ -34,7 +35,10 @@ id>.<frame index>.<route index>"``). A ``Forward`` is a ``Run`` one worker sends
 behalf of front ``ft`` to replica ``rid``.
 A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front applies it
 first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
-cancellation, and the formatted traceback ``tb``.
+cancellation, and the formatted traceback ``tb``. ``Dones`` is the good ends (no error) a
+worker had for one front at once, as flat lists of the same length: record ``i`` is
+``Done(cs[i], as_[i], fs[i], x=xs[i])``. It is decoded in one go; the front checks each
+record's types and drops a bad one alone.
 
 On the wire a message is sealed (``_auth``: a MAC over every frame, checked before anything
 is decoded) around the codec's envelope: ``kind`` and the message's fields as a msgpack array
@@ -60,6 +64,7 @@ __all__ = [
     "Cancel",
     "CloseSession",
     "Done",
+    "Dones",
     "EndCall",
     "Forward",
     "Frame",
@@ -187,6 +192,16 @@ class Done(NamedTuple):
     x: list[Any] | None = None
 
 
+class Dones(NamedTuple):
+    """Activations that ended without an error: record ``i`` is ``Done(cs[i], as_[i], fs[i],
+    x=xs[i])`` (the lists have one length; ``as`` is a keyword, hence ``as_``)."""
+
+    cs: list[str]
+    as_: list[int | str]
+    fs: list[Any]
+    xs: list[list[Any] | None]
+
+
 class Release(NamedTuple):
     refs: list[Any]
 
@@ -301,6 +316,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
         "done",
         ((str,), (int, str), _ANY, (str, _N), (str, _N), (bool,), (str, _N), (list, _N)),
     ),
+    Dones: ("dones", ((list,), (list,), (list,), (list,))),
     Release: ("release", ((list,),)),
     EndCall: ("end_call", ((str,),)),
     SourceLost: ("source_lost", ((str,), (int,))),
@@ -320,9 +336,9 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
 
 
 Message = (
-    Batch | Hello | Ready | Run | Forward | Cancel | Frame | Frames | Done | Release | EndCall
-    | SourceLost | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled
-    | PullFailed | MetaCall | MetaReply | MetaNotify
+    Batch | Hello | Ready | Run | Forward | Cancel | Frame | Frames | Done | Dones | Release
+    | EndCall | SourceLost | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat
+    | Pull | Pulled | PullFailed | MetaCall | MetaReply | MetaNotify
 )  # fmt: skip
 #: kind -> (message type, allowed types of each field).
 MESSAGES: dict[str, tuple[Any, tuple[tuple[type, ...], ...]]] = {

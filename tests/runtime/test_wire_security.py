@@ -31,6 +31,7 @@ from omniflow.transport._auth import BULK_BYTES, TAG_BYTES, Opener, Sealer
 from omniflow.transport._protocol import (
     Batch,
     Done,
+    Dones,
     Forward,
     Frame,
     Heartbeat,
@@ -253,10 +254,16 @@ class FakeReplica:
                     # Authentic, but about activations it does not run.
                     await self.send(peer, Frame("c-nope", 7, {"y": 1}))
                     await self.send(peer, Done("c-nope", 7))
+                    await self.send(peer, Dones(["c-nope"], [7, 8], [None], [None]))  # unlike
                     await self.send(peer, Ready("fake", ["r"], os.getpid()))
                 elif isinstance(msg, Run):
                     self.runs += 1
-                    await self.send(who, Done(msg.c, msg.a, {"y": msg.k["x"], "pid": -1}))
+                    # Its answer rides among bad records, each dropped alone: a foreign one,
+                    # a malformed aid, a malformed forward note.
+                    good = {"y": msg.k["x"], "pid": -1}
+                    ends = Dones(["c-nope", msg.c, msg.c, msg.c], [9, 2.5, msg.a, msg.a],
+                                 [None, None, None, good], [None, None, 5, None])  # fmt: skip
+                    await self.send(who, ends)
             now = asyncio.get_running_loop().time()
             if peer is not None and now - beat > HEARTBEAT / 2:
                 beat = now
@@ -289,6 +296,9 @@ async def test_a_front_drops_what_a_hostile_replica_sends(
             assert [r["y"] for r in results] == [[i] for i in range(10)]
             assert {r["pid"][0] for r in results} == {pid, -1}  # both serve, in turn
             assert fake.runs == 5 and alive(pid)
+            stats = rt.wire_stats()
+            assert stats["dropped_malformed"] >= 1 + 2 * 5, stats
+            assert stats["dropped_foreign"] >= 2 + 5, stats
     finally:
         fake.task.cancel()
         fake.ep.close()

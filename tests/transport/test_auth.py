@@ -33,6 +33,7 @@ from omniflow.transport._protocol import (
     Bye,
     Cancel,
     Done,
+    Dones,
     Frame,
     Hello,
     ProtocolError,
@@ -249,6 +250,7 @@ def test_cluster_keys_come_from_the_argument_the_env_or_a_file(
         Cancel("c", 2),
         Frame("c", 2, {"y": [1.5]}),
         Done("c", 2, None, "ValueError", "boom", False, "Traceback ..."),
+        Dones(["c", "c"], [2, "0.1.0"], [{"y": 1}, None], [None, [[0, "0.1.0.0.0"]]]),
         Stop(),
     ],
 )
@@ -262,6 +264,9 @@ _WRONG = [
     ("run", ["c", 1, "n", {}, None, 0], "6 fields"),
     ("cancel", ["c", 1, 2], "3 fields"),
     ("done", ["c", 1, None, None, None, 1], "'cancel' is a int"),
+    ("dones", [["c"], [1], [None]], "3 fields"),
+    ("dones", [["c"], 1, [None], [None]], "'as_' is a int"),
+    ("dones", [["c"], [1], [None], None], "'xs' is a NoneType"),
     ("hello", {"front": "f"}, "no fields"),
     ("launch", [], "unknown message kind"),
 ]
