@@ -96,6 +96,10 @@ _Key = tuple[bytes | None, str, int | str]
 #: Most frames of one generator activation sent in one ``frames`` message.
 FRAME_BATCH = 64
 
+#: Most cancels kept for forwarded runs that had not arrived when their cancel did (the
+#: oldest is forgotten first: a cancel whose forward never comes costs one entry a while).
+CANCELLED_EARLY = 4096
+
 
 class _Fw:
     """The fast-path routes of one running activation, and its next frame index."""
@@ -176,6 +180,10 @@ class Worker:
         self._session_params: dict[str, SessionParams] = {}
         self._call_params: dict[str, SessionParams] = {}
         self._running: dict[_Key, Any] = {}
+        #: Cancels of forwarded runs that were not here yet: the front's cancel and the
+        #: upstream worker's forward come on different connections, so the cancel can be
+        #: read first. Such a run, when it comes, ends cancelled without running.
+        self._cancelled_early: dict[_Key, None] = {}
         self._out: asyncio.Queue[tuple[bytes | None, list[Any]] | None] = asyncio.Queue()
         self._stop = asyncio.Event()
         #: Fronts that said hello (they get a bye when this worker leaves).
@@ -492,7 +500,9 @@ class Worker:
     def _put(self, peer: bytes | None, frames: list[Any]) -> None:
         """Send ``frames`` to ``peer``: at once when nothing waits before it (no writer
         wake-up on a hop's critical path), else behind what waits, in order."""
-        if self._reading:
+        if self._reading or self._held_links:
+            # (Forwards held to the end of this loop turn, whose flush is due, leave first:
+            # a front that had this message first could cancel a run not sent yet.)
             self._held.setdefault(peer, []).append(frames)
             return
         endpoint = self._endpoint
@@ -528,6 +538,11 @@ class Worker:
                 task = self._running.get((peer, c, a))
                 if task is not None:
                     task.cancel()
+                elif type(a) is str:  # a forwarded run whose forward has not come (yet)
+                    early = self._cancelled_early
+                    early[(peer, c, a)] = None
+                    if len(early) > CANCELLED_EARLY:
+                        del early[next(iter(early))]
             case Hello(front=front, interval=interval):
                 self._peers.add(peer)
                 self._fronts[peer] = front
@@ -648,6 +663,10 @@ class Worker:
 
     def _start(self, peer: bytes | None, run: Run) -> None:
         """Resolve data-plane refs among the inputs (waiting only for pulls), then run."""
+        if self._cancelled_early and (peer, run.c, run.a) in self._cancelled_early:
+            del self._cancelled_early[(peer, run.c, run.a)]
+            self._done(peer, run.c, run.a, asyncio.CancelledError())
+            return
         kwargs = run.k
         for v in kwargs.values():  # (most runs: no value that can hold a ref, nothing to do)
             if type(v) is DataRef or type(v) is list or type(v) is tuple:

@@ -1,0 +1,73 @@
+"""A worker and the cancel of a forwarded run that overtakes the run (unit level).
+
+The front's cancel and the upstream worker's forward reach a worker on different connections,
+so the cancel can be read first; and a worker's own message to the front must not leave before
+the forwards it made in the same loop turn (the front could otherwise cancel a run not sent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniflow.runtime._worker import CANCELLED_EARLY
+from omniflow.transport._protocol import Cancel, Done, Run
+
+from .test_worker_dones import A, B, sent, worker
+
+
+def run(a: int | str, c: str = "c") -> Run:
+    return Run(c, a, "node", {"x": 1}, None, 0, 0, "g")
+
+
+def test_a_forwarded_run_cancelled_before_it_came_ends_cancelled_without_running() -> None:
+    w = worker()
+    try:
+        w._handle(A, Cancel("c", "3.0.0"))
+        w._start(A, run("3.0.0"))
+        (msg,) = [m for _, m in sent(w)]
+        assert type(msg) is Done
+        assert (msg.c, msg.a, msg.et, msg.cancel) == ("c", "3.0.0", "CancelledError", True)
+        assert w._running == {} and w._cancelled_early == {}
+    finally:
+        w.plane.close()
+
+
+def test_the_early_cancel_is_the_senders_own_and_for_that_run_only() -> None:
+    w = worker()
+    try:
+        w._handle(A, Cancel("c", "3.0.0"))
+        w._handle(A, Cancel("c", 5))  # a front's own runs come before their cancels: not kept
+        assert list(w._cancelled_early) == [(A, "c", "3.0.0")]
+        w._start(B, run("3.0.0"))  # another front's run of that id is not the cancelled one
+        w._start(A, run("3.0.1"))
+        started: list[Any] = [m for _, m in sent(w) if type(m) is Done and m.cancel]
+        assert started == []  # (both ran: they fail on the unknown node, none is cancelled)
+        assert list(w._cancelled_early) == [(A, "c", "3.0.0")]
+    finally:
+        w.plane.close()
+
+
+def test_early_cancels_are_bounded_oldest_first() -> None:
+    w = worker()
+    try:
+        for i in range(CANCELLED_EARLY + 5):
+            w._handle(A, Cancel("c", f"1.{i}.0"))
+        assert len(w._cancelled_early) == CANCELLED_EARLY
+        assert (A, "c", "1.0.0") not in w._cancelled_early
+        assert (A, "c", f"1.{CANCELLED_EARLY + 4}.0") in w._cancelled_early
+    finally:
+        w.plane.close()
+
+
+def test_a_message_to_the_front_waits_behind_the_forwards_of_its_loop_turn() -> None:
+    w = worker()
+    try:
+        w._held_links["uds:///elsewhere.sock"] = [[b"forward"]]  # its flush is due this turn
+        w._done(A, "c", 1, None, {"y": 1})
+        assert w._out.empty()  # held: it leaves after the forwards
+        w._held_links.clear()  # (the forwards went out)
+        w._flush_held()
+        assert [(m.c, m.a, m.f) for _, m in sent(w)] == [("c", 1, {"y": 1})]
+        w._done(A, "c", 2, None, {"y": 2})  # nothing held: at once
+        assert [(m.c, m.a) for _, m in sent(w)] == [("c", 2)]
+    finally:
+        w.plane.close()
