@@ -230,9 +230,10 @@ async def test_status_is_cancelled_as_soon_as_the_loop_is_left(runtime: Factory)
     rt = await runtime(lg.deadline, lg.quick)
 
     def start() -> of.Call:
-        # 1000 frames 0.05 s apart: the stream cannot end before the caller leaves the loop
-        # (with no gap a worker could send all of them and its done first, and the call be "ok").
-        return rt.call("lg_deadline", {"s": 0.05})
+        # 1000 frames 0.1 s apart: the stream cannot end before the caller leaves the loop
+        # (with no gap a worker could send all of them and its done first, and the call be "ok"),
+        # and it would outlast HANG: a cancel that misses it fails the wait, not slows it.
+        return rt.call("lg_deadline", {"s": 0.1})
 
     call = start()
     async for f in call:
