@@ -671,8 +671,11 @@ class Worker:
                 bad = TransportError(f"forwards: a record ({a!r:.40}, q={q!r:.20})")
                 self._dropped("malformed", bad)
                 continue
-            # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-            self._start(front, _new(Run, (c, a, n, {f: v}, s, g, q, gr, off, th, conn, fw)))
+            try:
+                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                self._start(front, _new(Run, (c, a, n, {f: v}, s, g, q, gr, off, th, conn, fw)))
+            except Exception as exc:  # one that fails stops none of the others (``_handle_one``)
+                self._dropped("malformed", exc)
 
     def _release_pool(self, pool: Any, call_id: str) -> None:
         task = asyncio.get_running_loop().create_task(pool.release(call_id))

@@ -208,3 +208,23 @@ def test_a_bad_record_is_dropped_alone_a_bad_message_whole() -> None:
         assert len(started) == 1
     finally:
         w.plane.close()
+
+
+def test_a_record_whose_start_fails_stops_none_of_the_others() -> None:
+    w = worker()
+    try:
+        w.replica_id = "r-0"
+        started = serving(w)
+        take = w._start
+
+        def start(peer: bytes | None, run: Run) -> None:
+            if run.a == "1.0.0":
+                raise RuntimeError("boom")
+            take(peer, run)
+
+        w._start = start  # type: ignore[method-assign]
+        w._handle(B, forwards())
+        assert [run.a for _, run in started] == ["1.1.0"]
+        assert w.wire.snapshot()["dropped_malformed"] == 1
+    finally:
+        w.plane.close()
