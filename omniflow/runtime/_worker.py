@@ -60,6 +60,7 @@ from omniflow.transport._protocol import (
     Dones,
     EndCall,
     Forward,
+    Forwards,
     Frame,
     Frames,
     Heartbeat,
@@ -91,6 +92,12 @@ __all__ = ["Worker", "run_worker"]
 logger = logging.getLogger("omniflow.worker")
 
 _Key = tuple[bytes | None, str, int | str]
+
+_new = tuple.__new__
+
+#: Values a forward may carry in a ``Forwards`` (encoded at the flush): immutable, so what
+#: leaves is what the frame held when it was forwarded. Others are encoded at once, alone.
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 #: Most frames of one generator activation sent in one ``frames`` message.
@@ -223,7 +230,9 @@ class Worker:
         #: (consecutive good ends to one peer gather in a ``_DoneBatch``: one ``Dones``).
         self._reading = False
         self._held: dict[bytes | None, list[list[Any] | _DoneBatch]] = {}
-        self._held_links: dict[str, list[list[Any]]] = {}
+        #: (consecutive forwards to one link that differ only in id, value and SeqId index
+        #: gather in a ``_FwdBatch``: one ``Forwards``).
+        self._held_links: dict[str, list[list[Any] | _FwdBatch]] = {}
         #: Peer -> heartbeat interval it asked for.
         self._intervals: dict[bytes | None, float] = {}
         #: Call id -> the peer whose runs made call-scoped state here (params, pool blocks):
@@ -467,7 +476,13 @@ class Worker:
         if self._held_links:
             held_links, self._held_links = self._held_links, {}
             for address, items in held_links.items():
-                for frames in batch(items):
+                forwards: list[list[Any]] = []
+                for held in items:
+                    if isinstance(held, _FwdBatch):
+                        forwards.extend(held.encoded())
+                    else:
+                        forwards.append(held)
+                for frames in batch(forwards):
                     self._link_send(address, frames)
         if self._held:
             held_peers, self._held = self._held, {}
@@ -519,21 +534,11 @@ class Worker:
         match msg:
             case Run():
                 self._start(peer, _checked(msg))
+            case Forwards():
+                self._forwards(msg)
             case Forward(ft=ft, rid=rid):
-                front = self._front_peers.get(ft)
-                if rid != self.replica_id:
-                    self._dropped("foreign", TransportError(
-                        f"a forward for replica {rid!r:.60}, which this one ({self.replica_id}) "
-                        "is not"))  # fmt: skip
-                elif front is None and ft not in self._front_peers:
-                    self._dropped(
-                        "foreign",
-                        TransportError(
-                            f"a forward on behalf of front {ft!r:.40}, which never said hello"
-                        ),
-                    )
-                else:
-                    self._start(front, _checked(Run._make(msg[2:])))
+                if self._for_here(ft, rid):
+                    self._start(self._front_peers[ft], _checked(Run._make(msg[2:])))
             case Cancel(c=c, a=a):
                 task = self._running.get((peer, c, a))
                 if task is not None:
@@ -634,6 +639,43 @@ class Worker:
                 self._dropped(
                     "unknown_kind", TransportError(f"a worker does not take {type(msg).__name__}")
                 )
+
+    def _for_here(self, ft: str, rid: str) -> bool:
+        """Whether a forward for replica ``rid`` on behalf of front ``ft`` is this replica's
+        to serve (else it is dropped and counted as foreign)."""
+        if rid != self.replica_id:
+            self._dropped("foreign", TransportError(
+                f"a forward for replica {rid!r:.60}, which this one ({self.replica_id}) "
+                "is not"))  # fmt: skip
+            return False
+        if ft not in self._front_peers:
+            self._dropped(
+                "foreign",
+                TransportError(f"a forward on behalf of front {ft!r:.40}, which never said hello"),
+            )
+            return False
+        return True
+
+    def _forwards(self, msg: Forwards) -> None:
+        """Serve each record of ``msg`` as the ``Forward`` it stands for, in order (a bad
+        record is dropped alone)."""
+        ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw = msg
+        if len(vs) != len(as_) or len(qs) != len(as_):
+            self._dropped("malformed", TransportError("forwards: lists of unlike lengths"))
+            return
+        if not self._for_here(ft, rid):
+            return
+        front = self._front_peers[ft]
+        for a, v, q in zip(as_, vs, qs, strict=True):
+            if type(a) is not str or type(q) is not int:
+                bad = TransportError(f"forwards: a record ({a!r:.40}, q={q!r:.20})")
+                self._dropped("malformed", bad)
+                continue
+            try:
+                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+                self._start(front, _new(Run, (c, a, n, {f: v}, s, g, q, gr, off, th, conn, fw)))
+            except Exception as exc:  # one that fails stops none of the others (``_handle_one``)
+                self._dropped("malformed", exc)
 
     def _release_pool(self, pool: Any, call_id: str) -> None:
         task = asyncio.get_running_loop().create_task(pool.release(call_id))
@@ -806,22 +848,34 @@ class Worker:
             if f not in frame or route.address in self._gone:
                 continue
             value = frame[f]
-            if refs_in(value):
+            scalar = type(value) in _SCALARS
+            if not scalar and refs_in(value):
                 continue
             wid = wire_id(fw.a, k, r)
+            q = k if route.qk else fw.q
             try:
-                frames = encode_fields(
-                    Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
-                    route.group, k if route.qk else fw.q, fw.gr, route.off, route.th, route.conn,
-                    route.sub,
-                )  # fmt: skip
                 self._link(route.address)  # (a link that cannot be made: not forwarded)
                 # Held until the received batch is handled, or to the end of this loop turn
                 # (a generator's frames of one turn leave together, as its frames to the front).
                 held = self._held_links
                 if not held and not self._reading:
                     asyncio.get_running_loop().call_soon(self._flush_held)
-                held.setdefault(route.address, []).append(frames)
+                items = held.get(route.address)
+                if items is None:
+                    items = held[route.address] = []
+                if scalar:  # with the forwards before it that share all but id, value, q
+                    last = items[-1] if items else None
+                    if isinstance(last, _FwdBatch) and last.takes(fw, route):
+                        last.as_.append(wid)
+                        last.vs.append(value)
+                        last.qs.append(q)
+                    else:
+                        items.append(_FwdBatch(fw, route, wid, value, q))
+                else:
+                    items.append(encode_fields(
+                        Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
+                        route.group, q, fw.gr, route.off, route.th, route.conn, route.sub,
+                    ))  # fmt: skip
             except Exception as exc:  # not forwarded: the front runs it the slow way
                 logger.debug("worker %s: forward to %s failed: %s", self.replica_id,
                              route.address, exc)  # fmt: skip
@@ -1012,6 +1066,56 @@ def _encoded_done(c: str, a: int | str, frame: Any, x: list[Any] | None) -> list
         return encode_fields(Done, c, a, frame) if frame is not None else encode_fields(Done, c, a)
     except Exception as e:
         return encode_msg(_failed(c, a, _Unsendable.sending(e)))
+
+
+class _FwdBatch:
+    """Forwards held for one link, in order, that share their front, replica, call, node,
+    field, session, group, graph and routes (one route of runs with equal ``_Fw`` fields):
+    encoded together when the held messages leave."""
+
+    __slots__ = ("as_", "c", "ft", "gr", "qs", "route", "s", "vs")
+
+    def __init__(self, fw: _Fw, route: Route, wid: str, value: Any, q: int) -> None:
+        self.ft, self.c, self.s, self.gr = fw.ft, fw.c, fw.s, fw.gr
+        self.route = route
+        self.as_ = [wid]
+        self.vs = [value]
+        self.qs = [q]
+
+    def takes(self, fw: _Fw, route: Route) -> bool:
+        """Whether a forward of ``fw`` by ``route`` shares everything but its id, value, q."""
+        return (
+            route is self.route
+            and fw.c == self.c
+            and fw.ft == self.ft
+            and fw.s == self.s
+            and fw.gr == self.gr
+            and len(self.as_) < MAX_BATCH
+        )
+
+    def encoded(self) -> list[list[Any]]:
+        """The envelopes: one ``Forwards`` (a ``Forward`` for one). A value the wire cannot
+        carry (a str with a lone surrogate) is not forwarded: its frame cannot reach the
+        front either, so its activation fails there, and the front never expects this run."""
+        r = self.route
+        if len(self.as_) > 1:
+            try:
+                return [encode_fields(
+                    Forwards, self.ft, r.rid, self.c, r.node, r.field, self.s, r.group, self.gr,
+                    self.as_, self.vs, self.qs, r.off, r.th, r.conn, r.sub,
+                )]  # fmt: skip
+            except Exception:  # (rare: find the ones that cannot be sent)
+                pass
+        out = []
+        for wid, value, q in zip(self.as_, self.vs, self.qs, strict=True):
+            try:
+                out.append(encode_fields(
+                    Forward, self.ft, r.rid, self.c, wid, r.node, {r.field: value}, self.s,
+                    r.group, q, self.gr, r.off, r.th, r.conn, r.sub,
+                ))  # fmt: skip
+            except Exception as exc:
+                logger.debug("forward %s not sent: %s", wid, exc)
+        return out
 
 
 class _FrameBatch:

@@ -19,6 +19,7 @@
 
     upstream worker -> downstream worker (the fast path: no answer; results go to the front)
     Forward (ft, rid, c, a, n, k, s, g, q, gr, off, th, conn, fw)
+    Forwards (ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw)   (several, together)
 
     either way
     Batch (ms)   several single-frame messages to one peer, sealed once (``batch``)
@@ -32,7 +33,11 @@ conn, q from the frame index, sub-routes]`` per downstream node the worker may s
 worker forwarded for it (``xs``: one such list or None per frame of ``Frames``). ``a`` is the
 front's activation id (an int) or, for a forwarded run, its wire id (a str, ``"<upstream wire
 id>.<frame index>.<route index>"``). A ``Forward`` is a ``Run`` one worker sends another on
-behalf of front ``ft`` to replica ``rid``.
+behalf of front ``ft`` to replica ``rid``. ``Forwards`` is forwards one worker had for one
+link at once that share everything but their wire id, value and SeqId index (same front,
+replica, call, node, field, session, group, graph and routes), as flat lists of one length:
+record ``i`` is ``Forward(ft, rid, c, as_[i], n, {f: vs[i]}, s, g, qs[i], gr, off, th, conn,
+fw)``; the receiver checks each record's types and drops a bad one alone.
 A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front applies it
 first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
 cancellation, and the formatted traceback ``tb``. ``Dones`` is the good ends (no error) a
@@ -67,6 +72,7 @@ __all__ = [
     "Dones",
     "EndCall",
     "Forward",
+    "Forwards",
     "Frame",
     "Frames",
     "Heartbeat",
@@ -156,6 +162,28 @@ class Forward(NamedTuple):
     g: int
     q: int
     gr: str
+    off: list[str] | None = None
+    th: int | None = None
+    conn: dict[str, str] | None = None
+    fw: list[Any] | None = None
+
+
+class Forwards(NamedTuple):
+    """Forwards for one front, replica, call, node and field (``f``) that differ only in their
+    wire id, value and SeqId index: record ``i`` is ``Forward(ft, rid, c, as_[i], n,
+    {f: vs[i]}, s, g, qs[i], gr, off, th, conn, fw)`` (the lists have one length)."""
+
+    ft: str
+    rid: str
+    c: str
+    n: str
+    f: str
+    s: str | None
+    g: int
+    gr: str
+    as_: list[str]
+    vs: list[Any]
+    qs: list[int]
     off: list[str] | None = None
     th: int | None = None
     conn: dict[str, str] | None = None
@@ -302,6 +330,11 @@ _RUN: tuple[tuple[type, ...], ...] = (
     (dict, _N),
     (list, _N),
 )
+#: The fields of a ``Forwards``: ft, rid, c, n, f, s, g, gr, the three lists, then as a run's.
+_FORWARDS: tuple[tuple[type, ...], ...] = (
+    (str,), (str,), (str,), (str,), (str,), (str, _N), (int,), (str,), (list,), (list,), (list,),
+    *_RUN[8:],
+)  # fmt: skip
 #: message type -> (kind, allowed types of each field, in order).
 _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     Batch: ("batch", ((list,),)),
@@ -309,6 +342,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     Ready: ("ready", ((str,), (list,), (int,))),
     Run: ("run", _RUN),
     Forward: ("forward", ((str,), (str,), _RUN[0], (str,), *_RUN[2:])),  # (its wire id: a str)
+    Forwards: ("forwards", _FORWARDS),
     Cancel: ("cancel", ((str,), (int, str))),
     Frame: ("frame", ((str,), (int, str), _ANY, (list, _N))),
     Frames: ("frames", ((str,), (int, str), (list,), (list, _N))),
@@ -336,9 +370,9 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
 
 
 Message = (
-    Batch | Hello | Ready | Run | Forward | Cancel | Frame | Frames | Done | Dones | Release
-    | EndCall | SourceLost | StatsRequest | StatsReply | CloseSession | Stop | Bye | Heartbeat
-    | Pull | Pulled | PullFailed | MetaCall | MetaReply | MetaNotify
+    Batch | Hello | Ready | Run | Forward | Forwards | Cancel | Frame | Frames | Done | Dones
+    | Release | EndCall | SourceLost | StatsRequest | StatsReply | CloseSession | Stop | Bye
+    | Heartbeat | Pull | Pulled | PullFailed | MetaCall | MetaReply | MetaNotify
 )  # fmt: skip
 #: kind -> (message type, allowed types of each field).
 MESSAGES: dict[str, tuple[Any, tuple[tuple[type, ...], ...]]] = {

@@ -1,0 +1,230 @@
+"""A worker's forwards to one link that differ only in wire id, value and SeqId index leave as
+one ``forwards``, and a worker serves each of its records as the ``forward`` it stands for
+(unit level)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omniflow.runtime._forward import Route
+from omniflow.runtime._worker import Worker, _Fw, _FwdBatch
+from omniflow.transport._protocol import (
+    MAX_BATCH,
+    Batch,
+    Forward,
+    Forwards,
+    Run,
+    decode_inner,
+    decode_msg,
+)
+
+from .test_worker_dones import A, B, worker
+
+ADDR1, ADDR2 = "uds:///nowhere/w1.sock", "uds:///nowhere/w2.sock"
+ROUTE1 = Route("y", "m1", 0, ADDR1, "m1-0", None, None, None, False, None)
+ROUTE2 = Route("y", "m2", 0, ADDR2, "m2-0", ["y"], 1000, {"n": "shm"}, True, [["sub"]])
+
+
+def forwarding(w: Worker) -> list[tuple[str, Any]]:
+    """Make ``w``'s links fakes; the (address, message) it sends down them, in order."""
+    out: list[tuple[str, Any]] = []
+
+    def link_send(address: str, frames: list[Any]) -> None:
+        msg = decode_msg(frames)
+        if type(msg) is Batch:
+            out.extend((address, decode_inner(m)) for m in msg.ms)
+        else:
+            out.append((address, msg))
+
+    w._link = lambda address: None  # type: ignore[method-assign,assignment,return-value]
+    w._link_send = link_send  # type: ignore[method-assign]
+    return out
+
+
+def records(msgs: list[tuple[str, Any]]) -> list[tuple[str, Forward]]:
+    """Each ``Forwards`` record as the ``Forward`` it stands for."""
+    out: list[tuple[str, Forward]] = []
+    for address, msg in msgs:
+        if type(msg) is Forwards:
+            assert len(msg.as_) > 1  # (one alone goes as a forward)
+            ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw = msg
+            for a, v, q in zip(as_, vs, qs, strict=True):
+                out.append((address, Forward(ft, rid, c, a, n, {f: v}, s, g, q, gr, off, th,
+                                             conn, fw)))  # fmt: skip
+        else:
+            assert type(msg) is Forward
+            out.append((address, msg))
+    return out
+
+
+def running(w: Worker, peer: bytes, a: int, routes: tuple[Route, ...], c: str = "c") -> None:
+    """Activation ``a`` of call ``c`` from ``peer`` runs here with fast-path ``routes``."""
+    front = w._fronts[peer]
+    w._fw[(peer, c, a)] = _Fw(routes, Run(c, a, "n0", {}, "sess", 0, 7, "g"), front)
+
+
+#: What a handled batch makes: (front, call, route, value) of activations that return a frame.
+_VALUES = st.one_of(
+    st.integers(), st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=2)
+)
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from([A, B]),
+        st.sampled_from(["c", "d"]),
+        st.sampled_from([ROUTE1, ROUTE2]),
+        _VALUES,
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=_EVENTS)
+def test_held_forwards_leave_per_link_in_order_alike_ones_together(
+    events: list[tuple[bytes, str, Route, Any]],
+) -> None:
+    w = worker()
+    try:
+        out = forwarding(w)
+        w._reading = True
+        expected: dict[str, list[Forward]] = {ADDR1: [], ADDR2: []}
+        for i, (peer, c, route, value) in enumerate(events):
+            running(w, peer, i, (route,), c)
+            w._done(peer, c, i, None, {"y": value})
+            expected[route.address].append(Forward(
+                w._fronts[peer], route.rid, c, f"{i}.0.0", route.node, {"y": value}, "sess",
+                route.group, 0 if route.qk else 7, "g", route.off, route.th, route.conn,
+                route.sub,
+            ))  # fmt: skip
+        w._reading = False
+        w._flush_held()
+        got = records(out)
+        for address in (ADDR1, ADDR2):
+            assert [m for ad, m in got if ad == address] == expected[address]
+        # consecutive alike forwards to one link (scalar values, same front and call: the
+        # route is the link's one) leave in one message
+        for address in (ADDR1, ADDR2):
+            tagged = [(i, m) for i, (ad, msg) in enumerate(out) if ad == address
+                      for _, m in records([(ad, msg)])]  # fmt: skip
+            for (i, m), (j, nxt) in itertools.pairwise(tagged):
+                alike = (m.ft, m.c) == (nxt.ft, nxt.c)
+                if alike and type(m.k["y"]) is not list and type(nxt.k["y"]) is not list:
+                    assert i == j
+    finally:
+        w.plane.close()
+
+
+def test_a_batch_of_scalar_forwards_to_one_link_is_one_message() -> None:
+    w = worker()
+    try:
+        out = forwarding(w)
+        w._reading = True
+        for i in range(MAX_BATCH + 3):
+            running(w, A, i, (ROUTE1,))
+            w._done(A, "c", i, None, {"y": i})
+        w._reading = False
+        w._flush_held()
+        assert [(type(m), len(m.as_)) for _, m in out] == [(Forwards, MAX_BATCH), (Forwards, 3)]
+        assert [m.k["y"] for _, m in records(out)] == list(range(MAX_BATCH + 3))
+    finally:
+        w.plane.close()
+
+
+def test_forwards_of_other_calls_or_a_list_value_break_the_run_in_place() -> None:
+    w = worker()
+    try:
+        out = forwarding(w)
+        w._reading = True
+        for i, (c, value) in enumerate([("c", 1), ("c", 2), ("c", [3]), ("c", 4), ("c", 5),
+                                        ("d", 6), ("d", 7)]):  # fmt: skip
+            running(w, A, i, (ROUTE1,), c)
+            w._done(A, c, i, None, {"y": value})
+        w._reading = False
+        w._flush_held()
+        assert [(type(m).__name__, m.c) for _, m in out] == [
+            ("Forwards", "c"), ("Forward", "c"), ("Forwards", "c"), ("Forwards", "d"),
+        ]  # fmt: skip
+        assert [m.k["y"] for _, m in records(out)] == [1, 2, [3], 4, 5, 6, 7]
+    finally:
+        w.plane.close()
+
+
+def test_a_value_the_wire_cannot_carry_is_not_forwarded_the_others_are() -> None:
+    fw = _Fw((ROUTE1,), Run("c", 1, "n0", {}, None, 0, 0, "g"), "token-a")
+    held = _FwdBatch(fw, ROUTE1, "1.0.0", 1, 0)
+    held.as_ += ["1.1.0", "1.2.0"]
+    held.vs += ["\ud800", 3]  # (a lone surrogate: not UTF-8)
+    held.qs += [0, 0]
+    got = [decode_msg(frames) for frames in held.encoded()]
+    assert [(type(m), m.a, m.k) for m in got] == [(Forward, "1.0.0", {"y": 1}),
+                                                  (Forward, "1.2.0", {"y": 3})]  # fmt: skip
+
+
+def serving(w: Worker) -> list[tuple[bytes | None, Run]]:
+    """The runs ``w`` starts (not run: captured)."""
+    started: list[tuple[bytes | None, Run]] = []
+    w._start = lambda peer, run: started.append((peer, run))  # type: ignore[method-assign]
+    return started
+
+
+def forwards(ft: str = "token-a", rid: str = "r-0", **lists: Any) -> Forwards:
+    base = {"as_": ["1.0.0", "1.1.0"], "vs": [10, 11], "qs": [0, 1]}
+    base.update(lists)
+    return Forwards(ft, rid, "c", "m1", "y", "s", 0, "g", base["as_"], base["vs"], base["qs"],
+                    None, None, None, [["sub"]])  # fmt: skip
+
+
+def test_each_record_is_served_as_its_forward_from_the_front_it_names() -> None:
+    w = worker()
+    try:
+        w.replica_id = "r-0"
+        started = serving(w)
+        w._handle(B, forwards())  # (which worker sent it does not matter: its front does)
+        assert started == [
+            (A, Run("c", "1.0.0", "m1", {"y": 10}, "s", 0, 0, "g", None, None, None, [["sub"]])),
+            (A, Run("c", "1.1.0", "m1", {"y": 11}, "s", 0, 1, "g", None, None, None, [["sub"]])),
+        ]
+    finally:
+        w.plane.close()
+
+
+def test_a_bad_record_is_dropped_alone_a_bad_message_whole() -> None:
+    w = worker()
+    try:
+        w.replica_id = "r-0"
+        started = serving(w)
+        w._handle(B, forwards(as_=["1.0.0", 5, "1.2.0"], vs=[1, 2, 3], qs=[0, 1, "x"]))
+        assert [run.a for _, run in started] == ["1.0.0"]
+        assert w.wire.snapshot()["dropped_malformed"] == 2
+        w._handle(B, forwards(vs=[1]))  # lists of unlike lengths
+        assert w.wire.snapshot()["dropped_malformed"] == 3
+        w._handle(B, forwards(rid="another"))
+        w._handle(B, forwards(ft="never-said-hello"))
+        assert w.wire.snapshot()["dropped_foreign"] == 2
+        assert len(started) == 1
+    finally:
+        w.plane.close()
+
+
+def test_a_record_whose_start_fails_stops_none_of_the_others() -> None:
+    w = worker()
+    try:
+        w.replica_id = "r-0"
+        started = serving(w)
+        take = w._start
+
+        def start(peer: bytes | None, run: Run) -> None:
+            if run.a == "1.0.0":
+                raise RuntimeError("boom")
+            take(peer, run)
+
+        w._start = start  # type: ignore[method-assign]
+        w._handle(B, forwards())
+        assert [run.a for _, run in started] == ["1.1.0"]
+        assert w.wire.snapshot()["dropped_malformed"] == 1
+    finally:
+        w.plane.close()
