@@ -30,6 +30,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -63,7 +64,7 @@ from omniflow.runtime._launch import Launcher
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import ReplicaState
 from omniflow.transport._auth import resolve_key
-from omniflow.transport._fastpath import fast_path_enabled, is_local
+from omniflow.transport._fastpath import fast_path_enabled, front_spin, is_local
 from omniflow.transport._protocol import (
     Cancel,
     CloseSession,
@@ -91,6 +92,10 @@ if TYPE_CHECKING:
 __all__ = ["RemoteRoles"]
 
 _new = tuple.__new__
+
+#: Let another runnable process have this CPU first (a spin turn's courtesy; a no-op where
+#: the platform has no ``sched_yield``).
+_yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 logger = logging.getLogger("omniflow.remote")
 
@@ -173,6 +178,7 @@ class RemoteRoles:
         respawn: bool = True,
         launcher: Launcher | None = None,
         fast_path: bool | None = None,
+        spin: float | None = None,
     ) -> None:
         self.processes = processes
         #: Workers start direct-fire runs on each other (``_forward``); None: from
@@ -195,6 +201,12 @@ class RemoteRoles:
         )
         #: Roles served by workers.
         self.roles = self.fleet.roles
+        #: Seconds the front polls without sleeping after its last message while remote work
+        #: is in flight (``_kick``); None: ``$OMNIFLOW_SPIN_US`` (0 with the fast path off).
+        self.spin = spin if spin is not None else (front_spin() if self.fast_path else 0.0)
+        self._spinner: asyncio.Task[None] | None = None
+        self._last_message = 0.0  #: loop time of the last run sent or message read
+        self.spins = 0  #: loop turns spent polling (observability)
         #: The front's data plane (inputs it produced for remote methods go through its pool).
         self.plane = plane
         #: (graph, node) -> outputs a worker puts in its data plane (never the caller's fields).
@@ -425,7 +437,36 @@ class RemoteRoles:
         self._orphans.setdefault(c, {})[wid] = rep
         rep.out.put_nowait(encode_msg(Cancel(c, wid)))
 
+    # ------------------------------------------------------------------ the spin
+
+    def _kick(self) -> None:
+        """A run went out or a message came in: poll on for ``spin`` after it.
+
+        A sleeping process is woken by the kernel when a reply lands, which costs tens of µs
+        per hop here; while the front polls, the reply is read in its next loop turn. The spin
+        ends ``spin`` after the last message or as soon as nothing is in flight, so an idle
+        front sleeps, and a slow role costs the front one spin, not its whole run.
+        """
+        if self.spin:
+            loop = asyncio.get_running_loop()
+            self._last_message = loop.time()
+            if self._spinner is None:
+                self._spinner = loop.create_task(self._spin(loop))
+
+    async def _spin(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Keep the loop polling (each turn: its sockets without a timeout, then whatever they
+        made ready) while remote work is in flight and the last message is recent. Each turn
+        first yields the CPU to any process waiting for it (a worker on this core runs first)."""
+        try:
+            while self._pending and loop.time() - self._last_message < self.spin:
+                _yield_cpu()
+                self.spins += 1
+                await asyncio.sleep(0)
+        finally:
+            self._spinner = None
+
     def _send_run(self, p: _Pending, frames: Any, targets: list[Replica]) -> None:
+        self._kick()
         key = p.key
         if p.core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).update(targets)
@@ -543,6 +584,7 @@ class RemoteRoles:
 
     def _on_message(self, rep: Replica, msg: Message) -> None:
         """A checked message about calls from ``rep`` (the fleet handles its own kinds)."""
+        self._kick()
         # By exact type, the commonest first (a decoded message is never a subclass).
         if type(msg) is Dones:
             self._on_dones(rep, msg)

@@ -21,10 +21,17 @@ from typing import Final
 
 from omniflow._exceptions import TransportError
 
-__all__ = ["FAST_PATH_ENV", "fast_path_enabled", "is_local", "local_url"]
+__all__ = ["FAST_PATH_ENV", "SPIN_ENV", "fast_path_enabled", "front_spin", "is_local", "local_url"]
 
 #: The environment variable that turns the same-node fast path off (``0``) or on (default).
 FAST_PATH_ENV: Final = "OMNIFLOW_FAST_PATH"
+
+#: The environment variable that sets the front's spin (µs; ``0`` turns it off).
+SPIN_ENV: Final = "OMNIFLOW_SPIN_US"
+#: The front's spin when the fast path is on and ``OMNIFLOW_SPIN_US`` is unset (µs).
+DEFAULT_SPIN_US: Final = 500
+#: The most a front may spin (µs): a spin is short, or it is busy polling.
+MAX_SPIN_US: Final = 10_000
 
 _ON: Final = frozenset({"", "1", "true", "on", "yes"})
 _OFF: Final = frozenset({"0", "false", "off", "no"})
@@ -43,6 +50,27 @@ def fast_path_enabled() -> bool:
         f"{FAST_PATH_ENV}={os.environ[FAST_PATH_ENV]!r} is not a switch; set it to 1 (the "
         "default: same-node endpoints over uds://) or 0 (over pyzmq ipc://), or unset it"
     )
+
+
+def front_spin() -> float:
+    """How long (s) a front keeps polling its workers' sockets without sleeping after its last
+    message, while remote work is in flight (``OMNIFLOW_SPIN_US``, µs; default
+    ``DEFAULT_SPIN_US`` with the fast path on, 0 with it off). A reply that lands within it is
+    read without the process being woken; with nothing in flight the front sleeps at once."""
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SPIN_US / 1e6 if fast_path_enabled() else 0.0
+    try:
+        us = int(raw)
+    except ValueError:
+        us = -1
+    if not 0 <= us <= MAX_SPIN_US:
+        raise TransportError(
+            f"{SPIN_ENV}={os.environ[SPIN_ENV]!r} is not a spin; set it to whole microseconds "
+            f"from 0 (never spin) to {MAX_SPIN_US}, or unset it (default {DEFAULT_SPIN_US} "
+            "with the fast path on)"
+        )
+    return us / 1e6
 
 
 def local_url(path: str) -> str:

@@ -180,3 +180,18 @@ fp_forever = of.Graph(
     inputs=[of.Placeholder("n")],
     outputs=["u"],
 )
+
+
+# ---------------------------------------------------------------- a run that stays quiet
+
+
+class Quiet(of.Role):
+    """Sends nothing for an hour (the test cancels it): remote work in flight, no messages."""
+
+    @of.interface(inputs_or=[["x"]], outputs=["y"])
+    async def run(self, x: int) -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {"y": x}
+
+
+fp_quiet = of.Graph("fp_quiet", roles={"fq": Quiet()}, inputs=[of.Placeholder("x")], outputs=["y"])
