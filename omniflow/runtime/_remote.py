@@ -285,6 +285,12 @@ class RemoteRoles:
         self._session.store = self.fleet.registry
 
     async def close(self) -> None:
+        self.spin = 0.0  # no more spins; one under way ends at its next turn
+        spinner = self._spinner
+        if spinner is not None:
+            spinner.cancel()
+            with contextlib.suppress(BaseException):
+                await spinner
         for rep in await self.fleet.stop_all():
             if rep.pool_nodes:  # its pools are gone with it
                 nodes, rep.pool_nodes = rep.pool_nodes, set()
