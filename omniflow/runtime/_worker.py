@@ -476,24 +476,12 @@ class Worker:
         if self._held_links:
             held_links, self._held_links = self._held_links, {}
             for address, items in held_links.items():
-                forwards: list[list[Any]] = []
-                for held in items:
-                    if isinstance(held, _FwdBatch):
-                        forwards.extend(held.encoded())
-                    else:
-                        forwards.append(held)
-                for frames in batch(forwards):
+                for frames in batch(_envelopes(items)):
                     self._link_send(address, frames)
         if self._held:
             held_peers, self._held = self._held, {}
             for peer, waiting in held_peers.items():
-                envelopes: list[list[Any]] = []
-                for item in waiting:
-                    if isinstance(item, _DoneBatch):
-                        envelopes.extend(item.encoded())
-                    else:
-                        envelopes.append(item)
-                for frames in batch(envelopes):
+                for frames in batch(_envelopes(waiting)):
                     self._put(peer, frames)
 
     def _dropped(self, reason: str | None, exc: BaseException | None = None) -> None:
@@ -1066,6 +1054,18 @@ def _encoded_done(c: str, a: int | str, frame: Any, x: list[Any] | None) -> list
         return encode_fields(Done, c, a, frame) if frame is not None else encode_fields(Done, c, a)
     except Exception as e:
         return encode_msg(_failed(c, a, _Unsendable.sending(e)))
+
+
+def _envelopes(held: list[list[Any] | _FwdBatch] | list[list[Any] | _DoneBatch]) -> list[list[Any]]:
+    """Held messages in order, a gathered batch (``_FwdBatch``, ``_DoneBatch``) as the
+    envelopes it encodes to."""
+    out: list[list[Any]] = []
+    for item in held:
+        if isinstance(item, list):
+            out.append(item)
+        else:
+            out.extend(item.encoded())
+    return out
 
 
 class _FwdBatch:
