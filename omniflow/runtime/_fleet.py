@@ -11,6 +11,10 @@ replicas other fronts or operators started, the heartbeat supervisor and restart
 see becomes a ``_replica.ReplicaEvent``; the legal state changes and the restart backoff are
 decided in ``_replica`` (pure). Messages about calls (frames, dones, stats, metadata calls) go
 to ``on_message``; a lost replica's activations are failed by ``on_lost`` (``_remote``).
+
+``on_message`` may hand a message back, or what is left of it: it is about a run that another
+connection has not told the front of yet. What is left of that connection's batch then waits
+for the end of the loop turn, after the other connections read in it (``Fleet._later``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from omniflow._exceptions import OmniflowError, RegistryError, RuntimeClosedErro
 from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle, SubprocessLauncher
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import Backoff, Lifecycle, ReplicaEvent, ReplicaState
-from omniflow.transport import connect
+from omniflow.transport import EndpointState, connect
 from omniflow.transport._auth import Opener, Sealer, WireStats
 from omniflow.transport._protocol import (
     MAX_BATCH,
@@ -94,6 +98,11 @@ class Replica:
     born: float = 0.0
     #: (pool, node) of the Params Pools it registered in the front-hosted metadata.
     pool_nodes: set[tuple[str, str]] = field(default_factory=set)
+    #: What it sent that waits for the end of this loop turn, in arrival order (None: none):
+    #: each (a decoded message, a batch's encoded messages, packets), handled in that order.
+    late: list[tuple[Message | None, list[Any], list[Any]]] | None = None
+    #: Loop turns in a row that what it sent waited (``Fleet._later``).
+    waited: int = 0
 
     def __post_init__(self) -> None:
         self.life = Lifecycle(self.replica_id)
@@ -107,11 +116,16 @@ class Replica:
         return f"Replica({self.replica_id!r}, {self.life.state.value})"
 
 
+#: Loop turns in a row that what a replica sent may wait for the front to learn of the runs it
+#: is about (``Fleet._later``); then it is handled whatever it says.
+LATE_TURNS = 64
+
 #: The messages the fleet answers itself; every other kind is about calls (``on_message``).
 _FLEET_KINDS = frozenset({Heartbeat, Bye, Ready})
 
-#: Where the fleet hands a checked message about calls, and a lost replica's activations.
-OnMessage = Callable[[Replica, Message], None]
+#: Where the fleet hands a checked message about calls (with whether it may hand back what
+#: should wait: ``Fleet._later``), and a lost replica's activations.
+OnMessage = Callable[[Replica, Message, bool], "Message | None"]
 OnLost = Callable[[Replica, str], None]
 
 
@@ -216,7 +230,7 @@ class Fleet:
         rep.tasks.append(loop.create_task(self._write(rep)))
         # Replies are handled in the loop's reader callback where the transport can (uds://:
         # no task wakes up per burst), else by a task that receives them.
-        if not rep.endpoint.set_receiver(functools.partial(self._take, rep)):
+        if not rep.endpoint.set_receiver(functools.partial(self._receive, rep)):
             rep.tasks.append(loop.create_task(self._read(rep)))
         rep.out.put_nowait(encode_msg(Hello(self.token, self.heartbeat_interval)))
         await rep.ready
@@ -319,15 +333,85 @@ class Fleet:
                 batch = await rep.endpoint.recv_batch()
             except (RuntimeClosedError, TransportError, asyncio.CancelledError):
                 return
-            self._take(rep, batch)
+            self._receive(rep, batch)
 
-    def _take(self, rep: Replica, batch: list[Any]) -> None:
-        """Handle what ``rep`` sent: check, decode, dispatch each message."""
+    def _receive(self, rep: Replica, batch: list[Any]) -> None:
+        """A batch from ``rep``'s connection: handled now, or behind what of ``rep``'s waits
+        for the end of this loop turn."""
+        late = rep.late
+        if late is None:
+            self._take(rep, batch, True)
+        else:
+            late.append((None, [], batch))
+
+    def _take_late(self, rep: Replica) -> None:
+        """Handle what ``rep`` sent that waited for the end of the last loop turn, in order
+        (none once its connection is closed: it would deliver nothing more either). What is
+        still about runs the front does not know may wait again, ``LATE_TURNS`` turns in a
+        row at most; then it is handled whatever it says."""
+        late, rep.late = rep.late, None
+        if late is None or rep.endpoint is None or rep.endpoint.state is EndpointState.CLOSED:
+            return
+        rep.waited += 1
+        may_wait = rep.waited < LATE_TURNS
+        was, self.in_batch = self.in_batch, True
+        try:
+            for n, item in enumerate(late):
+                if self._take_waiting(rep, item, may_wait):
+                    self._behind(rep, late[n + 1 :])  # (it waits again: what came after it too)
+                    return
+            rep.waited = 0
+        finally:
+            self.in_batch = was
+
+    def _take_waiting(
+        self, rep: Replica, item: tuple[Message | None, list[Any], list[Any]], may_wait: bool
+    ) -> bool:
+        """Handle one waiting item of ``rep.late``; True if some of it waits again."""
+        msg, inner, packets = item
+        if msg is not None:
+            rest = self._handle_decoded(rep, msg, may_wait)
+            if rest is not None:
+                self._later(rep, rest, inner, packets)
+                return True
+        for j, m in enumerate(inner):
+            rest = self._handle_inner(rep, m, may_wait)
+            if rest is not None:
+                self._later(rep, rest, inner[j + 1 :], packets)
+                return True
+        return bool(packets) and self._take(rep, packets, may_wait)
+
+    def _behind(
+        self, rep: Replica, items: list[tuple[Message | None, list[Any], list[Any]]]
+    ) -> None:
+        """``items`` go behind what of ``rep``'s waits now."""
+        assert rep.late is not None
+        rep.late.extend(items)
+
+    def _later(self, rep: Replica, rest: Message, inner: list[Any], packets: list[Any]) -> None:
+        """``rest``, then ``inner`` (a batch's encoded messages), then ``packets``, all from
+        ``rep``, wait for the end of this loop turn: behind the other connections read in it.
+
+        Why this changes no outcome: it is as if these bytes came a moment later, which the
+        front takes anyway (nothing orders two connections; a ``Dones`` cut in two is what
+        the worker sends when its ends fall in two of its loop turns). What one connection
+        delivers keeps its order: what it delivers meanwhile goes behind (``_receive``), and
+        what waited is handled first in the next loop turn (``call_soon`` is FIFO and runs
+        before that turn's I/O callbacks), where it may wait again, ``LATE_TURNS`` turns in a
+        row at most (``_take_late``)."""
+        assert rep.late is None
+        rep.late = [(rest, inner, packets)]
+        asyncio.get_running_loop().call_soon(self._take_late, rep)
+
+    def _take(self, rep: Replica, batch: list[Any], may_wait: bool) -> bool:
+        """Handle what ``rep`` sent: check, decode, dispatch each message. ``may_wait``: a
+        message about a run the front does not know yet may send the rest to ``_later``
+        (then True)."""
         opener = self._opener
         time = asyncio.get_running_loop().time
-        self.in_batch = True
+        was, self.in_batch = self.in_batch, True
         try:
-            for _peer, frames in batch:
+            for i, (_peer, frames) in enumerate(batch):
                 inner = opener.open(frames)
                 if inner is None:
                     self.dropped(rep, None)
@@ -336,29 +420,48 @@ class Fleet:
                 try:
                     msg = decode_msg(inner)
                     if type(msg) is Batch:
-                        for m in msg.ms:
-                            self._handle_inner(rep, m)
+                        ms = msg.ms
+                        for j, m in enumerate(ms):
+                            rest = self._handle_inner(rep, m, may_wait)
+                            if rest is not None:
+                                self._later(rep, rest, ms[j + 1 :], batch[i + 1 :])
+                                return True
                     else:
-                        self._handle(rep, msg)
+                        rest = self._handle(rep, msg, may_wait)
+                        if rest is not None:
+                            self._later(rep, rest, [], batch[i + 1 :])
+                            return True
                 except ProtocolError as exc:
                     self.dropped(rep, exc.reason, exc)
                 except (KeyError, TypeError, ValueError) as exc:  # a malformed body
                     self.dropped(rep, "malformed", exc)
         finally:
-            self.in_batch = False
+            self.in_batch = was
+        return False
 
-    def _handle_inner(self, rep: Replica, m: Any) -> None:
-        """One message of a batch (a bad one is dropped alone)."""
+    def _handle_inner(self, rep: Replica, m: Any, may_wait: bool) -> Message | None:
+        """One message of a batch (a bad one is dropped alone); what should wait, if any."""
         try:
-            self._handle(rep, decode_inner(m))
+            return self._handle(rep, decode_inner(m), may_wait)
         except ProtocolError as exc:
             self.dropped(rep, exc.reason, exc)
         except (KeyError, TypeError, ValueError) as exc:  # a malformed body
             self.dropped(rep, "malformed", exc)
+        return None
 
-    def _handle(self, rep: Replica, msg: Message) -> None:
+    def _handle_decoded(self, rep: Replica, msg: Message, may_wait: bool) -> Message | None:
+        """A message decoded before it waited (a bad value in it is dropped alone)."""
+        try:
+            return self._handle(rep, msg, may_wait)
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed body
+            self.dropped(rep, "malformed", exc)
+        return None
+
+    def _handle(self, rep: Replica, msg: Message, may_wait: bool) -> Message | None:
+        """One checked message; what of it should wait for the end of the loop turn (only
+        if ``may_wait``), if any."""
         if type(msg) not in _FLEET_KINDS:  # about calls: the commonest, straight on
-            self._on_message(rep, msg)
+            return self._on_message(rep, msg, may_wait)
         elif type(msg) is Bye:
             self._on_bye(rep)
         elif type(msg) is Ready and rep.ready is not None and not rep.ready.done():
@@ -368,6 +471,7 @@ class Fleet:
                 self.event(rep, ReplicaEvent.MISSING, "gone from the registry")
             rep.ready.set_result(None)
         # (a Heartbeat: last_seen is updated for every authentic message)
+        return None
 
     def dropped(self, rep: Replica, reason: str | None, exc: BaseException | None = None) -> None:
         """A message from ``rep`` was dropped (counted, and logged now and then)."""

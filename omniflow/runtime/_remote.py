@@ -19,8 +19,10 @@ releases, stats and the front-hosted Params Pool metadata.
 The fast path (``_forward``): a run may carry routes by which its worker starts the next node's
 runs on their worker itself. When the frame that caused such a run arrives, the call core makes
 the activation it always makes, and ``submit`` *binds* it to the forwarded run instead of
-sending one; what the forwarded run reported before that waits in ``_early`` and is replayed
-then. A forwarded run the core did not make is an orphan: cancelled, and what it sends dropped.
+sending one; what the forwarded run reported before that first waits at the fleet for the end
+of the loop turn (``_on_message``, ``Fleet._later``), and if still unbound then, waits in
+``_early`` and is replayed then. A forwarded run the core did not make is an orphan:
+cancelled, and what it sends dropped.
 """
 
 from __future__ import annotations
@@ -588,17 +590,27 @@ class RemoteRoles:
 
     # ------------------------------------------------------------------ messages
 
-    def _on_message(self, rep: Replica, msg: Message) -> None:
-        """A checked message about calls from ``rep`` (the fleet handles its own kinds)."""
+    def _on_message(self, rep: Replica, msg: Message, may_wait: bool = False) -> Message | None:
+        """A checked message about calls from ``rep`` (the fleet handles its own kinds).
+
+        ``may_wait``: a message (or the rest of a ``Dones``) about a forwarded run the front
+        has not bound yet, whose binding frame may still come this loop turn, is handed back
+        instead, for the fleet to deliver at the end of the turn (``Fleet._later``): then it
+        needs no keeping and replaying (``_stray``)."""
         self._kick()
         # By exact type, the commonest first (a decoded message is never a subclass).
         if type(msg) is Dones:
-            self._on_dones(rep, msg)
+            return self._on_dones(rep, msg, may_wait)
         elif type(msg) is Done:
+            c, a = msg.c, msg.a
+            if may_wait and type(a) is str and (c, a) not in rep.held and not self._is_orphan(c, a):
+                return msg
             self._on_done_msg(rep, msg)
         elif type(msg) is Frames:  # consecutive frames of one generator act
             c, a, fs, xs = msg
             if (c, a) not in rep.held and type(a) is str:
+                if may_wait and not self._is_orphan(c, a):
+                    return msg
                 self._stray(rep, c, a, msg)
             elif xs is None:
                 for frame in fs:
@@ -611,6 +623,8 @@ class RemoteRoles:
         elif type(msg) is Frame:
             c, a, f, x = msg
             if (c, a) not in rep.held and type(a) is str:
+                if may_wait and not self._is_orphan(c, a):
+                    return msg
                 self._stray(rep, c, a, msg)
             else:
                 self._replica_frame(rep, c, a, f, x)
@@ -631,42 +645,52 @@ class RemoteRoles:
                 "unknown_kind",
                 OmniflowError(f"a front does not take {type(msg).__name__}"),
             )
+        return None
 
-    def _on_dones(self, rep: Replica, msg: Dones) -> None:
+    def _on_dones(self, rep: Replica, msg: Dones, may_wait: bool = False) -> Dones | None:
         """Activations that ended well on ``rep``, one record at a time (a bad record is
-        dropped alone)."""
+        dropped alone); with ``may_wait``, from the first record of a forwarded run not bound
+        yet on, the rest is handed back (``_on_message``)."""
         cs, as_, fs, xs = msg
         n = len(cs)
         if len(as_) != n or len(fs) != n or len(xs) != n:
             self.fleet.dropped(rep, "malformed", OmniflowError("dones: lists of unlike lengths"))
-            return
-        for c, a, f, x in zip(cs, as_, fs, xs, strict=True):
+            return None
+        for i, (c, a, f, x) in enumerate(zip(cs, as_, fs, xs, strict=True)):
             if type(c) is not str or type(a) not in _WID or (x is not None and type(x) is not list):
                 bad = OmniflowError(f"dones: a record ({c!r:.40}, {a!r:.40}, x={x!r:.40})")
                 self.fleet.dropped(rep, "malformed", bad)
                 continue
             try:
-                self._good_end(rep, c, a, f, x)
+                if self._good_end(rep, c, a, f, x, may_wait):
+                    return msg if i == 0 else _new(Dones, (cs[i:], as_[i:], fs[i:], xs[i:]))
             except (KeyError, TypeError, ValueError) as exc:  # a malformed value
                 self.fleet.dropped(rep, "malformed", exc)
+        return None
 
-    def _good_end(self, rep: Replica, c: str, a: Wid, f: Any, x: list[Any] | None) -> None:
+    def _good_end(
+        self, rep: Replica, c: str, a: Wid, f: Any, x: list[Any] | None, may_wait: bool = False
+    ) -> bool:
         """An activation ended well on ``rep``, with its coroutine's returned frame ``f`` if
-        it has one (not None)."""
+        it has one (not None). True, and nothing done, if it is a forwarded run not bound yet
+        and ``may_wait`` (``_on_message``)."""
         key = (c, a)
         if key not in rep.held:
             if type(a) is str:
+                if may_wait and not self._is_orphan(c, a):
+                    return True
                 self._stray(rep, c, a, _new(Done, (c, a, f, None, None, False, None, x)))
             else:
                 self._foreign(rep, c, a, "done")
-            return
+            return False
         if f is not None:  # a coroutine's returned frame rides in its done
             p = self._pending.get(key)
             if p is not None and p.error is None and len(p.replicas) == 1:
                 self._returned(rep, p, f, x)
-                return
+                return False
             self._replica_frame(rep, c, a, f, x)  # (first, then the done)
         self._replica_done(rep, key, None)
+        return False
 
     def _on_done_msg(self, rep: Replica, msg: Done) -> None:
         """An activation ended on ``rep``, with its coroutine's returned frame if it has one."""
