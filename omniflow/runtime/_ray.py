@@ -47,6 +47,10 @@ LOST = -9
 #: Launchers using the Ray instance that one of them started in this process (the last to
 #: close shuts it down; a Ray started by anyone else is never shut down here).
 _OWNED = {"started": False, "users": 0}
+#: How long ``close`` waits, in all, for Ray to report the actors it killed dead (s), and how
+#: often it asks.
+GONE_TIMEOUT = 10.0
+GONE_POLL = 0.05
 #: Ray settings of the front's own Ray process, applied (unless already set) before this
 #: process initialises Ray: a call in flight on an actor that died fails after Ray waits this
 #: long for the death's cause (default 1000 ms), which is how soon a lost replica's calls fail.
@@ -339,8 +343,8 @@ class RayLauncher(Launcher):
         return out
 
     async def close(self) -> None:
-        """Kill every actor (no restart), remove every placement group, and shut Ray down
-        when this launcher started it."""
+        """Kill every actor (no restart) and wait until Ray has them dead, remove every
+        placement group, and shut Ray down when this launcher started it."""
         self._closed = True
         if self._ready is not None and not self._ready.done():
             self._ready.cancel()
@@ -353,9 +357,11 @@ class RayLauncher(Launcher):
                 return
             from ray.util.placement_group import remove_placement_group
 
-            for actor in self.actors.values():
+            actors = list(self.actors.values())
+            for actor in actors:
                 self.kill(actor, restart=False)
             self.actors.clear()
+            await self._until_gone(actors)
             for pg in self.groups.values():
                 with contextlib.suppress(Exception):
                     remove_placement_group(pg)
@@ -366,6 +372,28 @@ class RayLauncher(Launcher):
                 if _OWNED["users"] <= 0:
                     _OWNED["started"] = False
                     ray.shutdown()
+
+    @staticmethod
+    async def _until_gone(actors: list[Any], timeout: float = GONE_TIMEOUT) -> None:
+        """Wait until a call to each killed actor fails, ``timeout`` s in all. ``ray.kill``
+        only asks: a call made before the kill lands is still answered, and the actor's
+        resources (its GPUs) are Ray's again only once it is dead. A caller that closes a
+        Runtime and starts another on the same cluster expects them free."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for actor in actors:
+            while (left := deadline - loop.time()) > 0:
+                try:  # (a call behind the front's open ``wait`` runs once that one ends)
+                    await asyncio.wait_for(actor.__ray_ready__.remote(), left)
+                except Exception:  # RayActorError: dead (or the deadline: warned below)
+                    break
+                await asyncio.sleep(GONE_POLL)  # answered: the kill has not landed yet
+            if deadline - loop.time() <= 0:
+                logger.warning(
+                    "Ray has not reported %d killed actor(s) dead after %g s; closing anyway",
+                    len(actors), timeout,
+                )  # fmt: skip
+                return
 
 
 def _resources(res: dict[str, float]) -> str:
