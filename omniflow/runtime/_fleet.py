@@ -374,17 +374,25 @@ class Fleet:
             if rest is not None:
                 self._later(rep, rest, inner, packets)
                 return True
-        for j, m in enumerate(inner):
+        if self._take_inner(rep, inner, packets, may_wait):
+            return True
+        return bool(packets) and self._take(rep, packets, may_wait)
+
+    def _take_inner(self, rep: Replica, ms: list[Any], packets: list[Any], may_wait: bool) -> bool:
+        """Handle a batch's encoded messages ``ms`` in order; at one that should wait, it and
+        the rest of ``ms``, then ``packets``, go to ``_later`` (then True)."""
+        for j, m in enumerate(ms):
             rest = self._handle_inner(rep, m, may_wait)
             if rest is not None:
-                self._later(rep, rest, inner[j + 1 :], packets)
+                self._later(rep, rest, ms[j + 1 :], packets)
                 return True
-        return bool(packets) and self._take(rep, packets, may_wait)
+        return False
 
     def _behind(
         self, rep: Replica, items: list[tuple[Message | None, list[Any], list[Any]]]
     ) -> None:
-        """``items`` go behind what of ``rep``'s waits now."""
+        """``items`` go behind what of ``rep``'s waits now (a method: in ``_take_late`` the
+        type checker holds ``rep.late`` to the None it set before ``_later`` set it again)."""
         assert rep.late is not None
         rep.late.extend(items)
 
@@ -420,12 +428,8 @@ class Fleet:
                 try:
                     msg = decode_msg(inner)
                     if type(msg) is Batch:
-                        ms = msg.ms
-                        for j, m in enumerate(ms):
-                            rest = self._handle_inner(rep, m, may_wait)
-                            if rest is not None:
-                                self._later(rep, rest, ms[j + 1 :], batch[i + 1 :])
-                                return True
+                        if self._take_inner(rep, msg.ms, batch[i + 1 :], may_wait):
+                            return True
                     else:
                         rest = self._handle(rep, msg, may_wait)
                         if rest is not None:
