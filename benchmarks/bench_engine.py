@@ -6,6 +6,7 @@
     #   --launches N (4b with fresh server processes N times: the median over launches)
     #   --fake-step MS (4b with a model-less engine: the serving path's own CPU per token)
     #   --base CHECKOUT (4b also serves with the omniflow of another checkout, same rounds)
+    #   --executor process (every engine runs its forward pass in a process of its own)
 
 Measures (goals from issue 13):
   1. decode tokens/s of one request, TorchEngine vs transformers generate   (goal >= 1.0x)
@@ -294,6 +295,13 @@ async def main() -> None:
     )
     ap.add_argument("--http-only", action="store_true", help="measure 4b only")
     ap.add_argument(
+        "--executor",
+        choices=("thread", "process"),
+        default="thread",
+        help="where every contender's TorchEngine runs its forward pass (executor=): its own "
+        "thread (default) or its own process (the serving loop no longer shares a GIL with it)",
+    )
+    ap.add_argument(
         "--base",
         type=Path,
         metavar="CHECKOUT",
@@ -309,6 +317,7 @@ async def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["OMNIFLOW_BENCH_EXECUTOR"] = args.executor  # engine_role.py's processes too
     n_decode = 64 if args.quick else 128
     rounds = 4 if args.quick else args.rounds
     k, plen, history = 16, 32, 2048
@@ -326,7 +335,13 @@ async def main() -> None:
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(path).eval()
-        engine = of.TorchEngine(path, max_batch=16, max_step_tokens=2048 + 64, pool_pages=2048)
+        engine = of.TorchEngine(
+            path,
+            max_batch=16,
+            max_step_tokens=2048 + 64,
+            pool_pages=2048,
+            executor=args.executor,
+        )
         await engine.start()
         prompt = [5 + i % 300 for i in range(32)]
         await engine_decode(engine, prompt, 8)  # warm-up both

@@ -85,7 +85,11 @@ def make_engine() -> Any:
         return StepClock(float(os.environ["OMNIFLOW_BENCH_FAKE_STEP"]))
     torch.set_num_threads(int(os.environ.get("OMNIFLOW_BENCH_THREADS", "2")))
     return of.TorchEngine(
-        os.environ["OMNIFLOW_BENCH_MODEL"], max_batch=16, max_step_tokens=2112, pool_pages=2048
+        os.environ["OMNIFLOW_BENCH_MODEL"],
+        max_batch=16,
+        max_step_tokens=2112,
+        pool_pages=2048,
+        executor=os.environ.get("OMNIFLOW_BENCH_EXECUTOR", "thread"),
     )
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "EncoderCache",
     "Engine",
     "EngineError",
+    "EngineProcessError",
     "Frame",
     "GenerateRequest",
     "GlobalParameters",

@@ -14,7 +14,7 @@ from omniflow.compute._colocate import KvPoolBarrier, PoolSeat, pages_that_fit
 from omniflow.compute._dit_engine import DenoiseOutput, DenoiseRequest, DiTEngine
 from omniflow.compute._encoder_cache import EncoderCache
 from omniflow.compute._engine import Engine, PublishedPrefix, TorchEngine
-from omniflow.compute._errors import EngineError, ModelLoadError, RequestError
+from omniflow.compute._errors import EngineError, EngineProcessError, ModelLoadError, RequestError
 from omniflow.compute._request import GenerateRequest, SamplingParams, StepOutput
 from omniflow.compute._shared import SkipCopyBuffer, SkipCopyParameter, shared_module
 
@@ -25,6 +25,7 @@ __all__ = [
     "EncoderCache",
     "Engine",
     "EngineError",
+    "EngineProcessError",
     "GenerateRequest",
     "KvPoolBarrier",
     "ModelLoadError",

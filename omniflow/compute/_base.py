@@ -32,7 +32,7 @@ import torch
 
 from omniflow.compute._colocate import PoolSeat
 from omniflow.compute._config import read_config_json
-from omniflow.compute._errors import EngineError, ModelLoadError
+from omniflow.compute._errors import EngineError, EngineProcessError, ModelLoadError
 from omniflow.compute._kv import PagePool
 
 __all__ = [
@@ -185,6 +185,8 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         self._ready: asyncio.Future[None] | None = None  #: done once pool and runner exist
         self._sched: _Scheduler | None = None  #: the subclass's pure scheduler, once built
         self._stopped = False
+        self._failure: BaseException | None = None  #: what ended the step loop, if it died
+        self._reaper: asyncio.Task[None] | None = None  #: releases the pages of a dead loop
         self._own_pool = False  #: the engine made its pool (and closes it at stop)
         self.steps = 0  #: forward passes run (observability)
 
@@ -217,6 +219,11 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
     def _step(self, plan: Any) -> Any:
         """One forward pass (on the engine's thread)."""
 
+    def _launch(self, plan: Any) -> asyncio.Future[Any]:
+        """Start ``plan``'s forward pass; the future holds ``_step``'s result. Default: on the
+        engine's thread (an engine whose forward runs elsewhere overrides this)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._step, plan)
+
     @abc.abstractmethod
     def _apply(self, plan: Any, result: Any) -> None:
         """Turn a step's result into outputs (and finish sequences)."""
@@ -230,6 +237,10 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
 
     def _detach(self, request_id: str) -> None:
         """Forget a released sequence's runner state."""
+
+    def _close_model(self) -> None:
+        """Free what ``_load_model`` holds beyond the weights (an engine process); at stop and
+        when start fails."""
 
     def _between_steps(self) -> None:
         """After releases, before the next plan (e.g. inputs that arrived for open requests)."""
@@ -270,6 +281,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
                 if seat is not None:
                     seat.abort(exc)  # partners waiting at the barrier fail now, not at timeout
                 self._executor.shutdown(wait=False)
+                self._close_model()
                 self._executor, self._ready = None, None  # start() may be retried
                 raise
             self._task = loop.create_task(self._run(model), name="omniflow-engine-loop")
@@ -307,13 +319,16 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             return
         exc = EngineError(f"the engine's step loop failed: {task.exception()!r}")
         exc.__cause__ = task.exception()
-        self._task = None
+        self._task, self._failure = None, exc
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(exc)
             self._ready.exception()  # retrieved here; waiters get it re-raised
         for stream in list(self._streams.values()):
             stream.fail(exc)
+            self._cancel(stream)
             stream.released.set()
+        if self.kv_pool is not None and self._release:  # their pages go back to the pool now
+            self._reaper = asyncio.get_running_loop().create_task(self._drain_releases())
 
     async def stop(self) -> None:
         """Abort everything and free the engine's resources."""
@@ -330,10 +345,13 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if self.kv_pool is not None:
-                await self._drain_releases()
+        if self._reaper is not None:
+            await asyncio.gather(self._reaper, return_exceptions=True)  # stop finishes anyway
+        if self.kv_pool is not None:
+            await self._drain_releases()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._close_model()
         if self._own_pool and self.kv_pool is not None:
             await self.kv_pool.aclose()  # type: ignore[attr-defined]
         if self._seat is not None:
@@ -376,6 +394,10 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
 
     async def _until_ready(self) -> None:
         """Refuse before ``start()``; with a co-located pool, wait until every member proposed."""
+        if self._failure is not None:
+            raise EngineError(
+                f"the engine failed ({self._failure.__cause__!r}); stop it and start a new one"
+            ) from self._failure
         if self._task is None or self._ready is None:
             raise EngineError("the engine is not started; await engine.start() first")
         await asyncio.shield(self._ready)
@@ -419,7 +441,6 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         await self._open_seat(model)
         assert self._sched is not None
         sched = self._sched
-        loop = asyncio.get_running_loop()
         while True:
             await self._drain_releases()
             self._between_steps()
@@ -434,10 +455,12 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
                 self._emit()
                 continue
             self._inflight = self._plan_ids(plan)
-            step = loop.run_in_executor(self._executor, self._step, plan)
+            step = self._launch(plan)
             self._emit()  # step N's outputs, while step N+1 runs on the engine's thread
             try:
                 result = await step
+            except EngineProcessError:
+                raise  # the engine's process is gone: every request fails (_loop_ended)
             except Exception as exc:  # a model error fails the step's requests, not the engine
                 for seq in self._plan_seqs(plan):
                     self._fail(seq, EngineError(f"forward pass failed: {exc!r}"))

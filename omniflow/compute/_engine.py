@@ -18,6 +18,7 @@ time on a dedicated thread, releases between steps) are ``EngineBase``'s, shared
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -31,10 +32,10 @@ from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import EngineError, RequestError
 from omniflow.compute._inputs import build_inputs
 from omniflow.compute._kv import KvCache, PagePool, page_keys
-from omniflow.compute._loader import load_model
+from omniflow.compute._loader import load_model, resolve_device
+from omniflow.compute._procrunner import EngineProcess, ProcessRunner
 from omniflow.compute._request import GenerateRequest, SamplingParams, StepOutput
 from omniflow.compute._runner import ModelRunner
-from omniflow.compute._sampling import make_generator
 from omniflow.compute._scheduler import Scheduler, StepPlan
 from omniflow.compute._segments import SegmentFeeds
 from omniflow.compute._sequence import SeqStatus, Sequence
@@ -93,6 +94,12 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
     ``pool``: a ``ParamsPool``, the name of one declared in the graph (looked up in the current
     role's context at ``start()``), a ``KvPoolBarrier.member(...)`` seat, or None for a private
     pool sized by ``pool_pages``.
+
+    ``executor``: where the forward pass runs. ``"thread"`` (the default): a dedicated thread of
+    this process. ``"process"``: a process of the engine's own (spawned at ``start``, holding
+    the weights and the sampling RNGs; the pool's L1 arrays are shared with it), so a forward
+    whose ops are short beside their Python no longer waits for the event loop's GIL. CPU only
+    so far, and it reads pages in the pool's own L1 only.
     """
 
     architectures = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
@@ -104,9 +111,17 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         *,
         max_step_tokens: int = 512,
         max_sessions: int = 1024,
+        executor: str = "thread",
         **options: Unpack[EngineOptions],
     ) -> None:
         super().__init__(model_dir, **options)
+        if executor not in ("thread", "process"):
+            raise EngineError(
+                f"TorchEngine(executor={executor!r}): the forward pass runs on a 'thread' of "
+                "this process or in a 'process' of its own"
+            )
+        self.executor = executor  #: "thread" or "process" (where the forward pass runs)
+        self._proc: EngineProcess | None = None  #: the engine process (executor="process")
         self.max_step_tokens = max_step_tokens  #: tokens per step (prefill chunk budget)
         self.config: ModelConfig | None = None  #: the model's config once started
         self.tokenizer: Tokenizer | None = None  #: None when the directory has no tokenizer.json
@@ -114,6 +129,7 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         self._segments: SegmentFeeds | None = None  #: open requests' inputs, once started
         #: (sequence, token, finish reason from ids/length) sampled but not yet delivered
         self._sampled: list[tuple[Sequence, int, str | None]] = []
+        self.preemptions = 0  #: sequences sent back to wait (pages released) for want of pages
 
     @staticmethod
     def pool(
@@ -135,7 +151,24 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
 
     # ---- EngineBase hooks ------------------------------------------------------------------
     def _load_model(self) -> Any:
-        return load_model(self.model_dir, device=self.device, dtype=self.dtype)
+        if self.executor == "thread":
+            return load_model(self.model_dir, device=self.device, dtype=self.dtype)
+        if resolve_device(self.device).type != "cpu":
+            raise EngineError(
+                f"TorchEngine(executor='process') runs on CPU only so far (device "
+                f"{self.device!r} resolves to {resolve_device(self.device)}); use "
+                "executor='thread' on a GPU"
+            )
+        self._proc = EngineProcess(self.model_dir, self.device, self.dtype)
+        return self._proc.start()  # ModelInfo: cfg, device, dtype (the weights stay there)
+
+    def _close_model(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            runner = getattr(self, "_runner", None)  # None when start failed before _build
+            if isinstance(runner, ProcessRunner):
+                runner.close()
+            proc.close()
 
     def _loaded(self, model: Any) -> None:
         self.config = model.cfg
@@ -144,7 +177,12 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
 
     def _build(self, model: Any, pool: PagePool) -> Scheduler:
         self._kv = KvCache(pool, model.cfg.num_layers, self.page_tokens)
-        self._runner = ModelRunner(model, self._kv)
+        if self._proc is not None:
+            self._runner: ModelRunner | ProcessRunner = ProcessRunner(
+                self._proc, self._kv, model, max_rows=self.max_step_tokens
+            )
+        else:
+            self._runner = ModelRunner(model, self._kv)
         self._sched = sched = Scheduler(
             max_batch=self.max_batch, max_step_tokens=self.max_step_tokens
         )
@@ -158,7 +196,13 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         return [s for s, _ in plan.items]
 
     def _step(self, plan: StepPlan) -> list[int | None]:
+        assert isinstance(self._runner, ModelRunner)  # executor="thread"
         return self._runner.step(plan)
+
+    def _launch(self, plan: StepPlan) -> asyncio.Future[Any]:
+        if isinstance(self._runner, ProcessRunner):
+            return self._runner.submit(plan)  # the loop talks to the engine process itself
+        return super()._launch(plan)
 
     def _detach(self, request_id: str) -> None:
         self._runner.detach(request_id)
@@ -250,13 +294,14 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         self._streams[seq.request_id] = stream
         try:
             await self._match_prefix(stream)
+            self._runner.attach(seq)
         except BaseException:
             self._streams.pop(seq.request_id, None)
             await self.kv_pool.release(seq.request_id)
+            self._runner.detach(seq.request_id)
             raise
-        self._runner.attach(seq)
         if not params.greedy:
-            self._runner.sampling[seq.request_id] = (params, make_generator(params))
+            self._runner.sample_with(seq.request_id, params)
         self._sched.add(seq)
         self._wake.set()
         return stream
@@ -346,7 +391,11 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
     async def _preempt(self, seq: Sequence, exc: PoolExhaustedError) -> None:
         assert self.kv_pool is not None
         others = [s for s in self._sched.running if s is not seq]
-        if not others:
+        # Sequences that ids/length ended in the last step left the scheduler at once, but
+        # their pages come back only after their last token is delivered (_emit, then the
+        # release): waiting for those is not "cannot fit even alone".
+        finishing = any(reason is not None for _, _, reason in self._sampled)
+        if not others and not finishing:
             self._fail(
                 seq,
                 EngineError(
@@ -356,6 +405,7 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
             )
             return
         # Layer 1 makes this safe: the tokens stay on the host, the KV is recomputed later.
+        self.preemptions += 1
         await self.kv_pool.release(seq.request_id)
         self._runner.detach_pages(seq.request_id)
         seq.slots, seq.num_computed = [], 0
@@ -374,8 +424,9 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         self.history.record(stream.session, seq.tokens, seq.embeds)
 
     def statistics(self) -> dict[str, int]:
-        """Running/waiting sequences and sessions held (observability)."""
-        return {**self._running_counts(), "sessions": len(self.history)}
+        """Running/waiting sequences, sessions held and preemptions (observability)."""
+        counts = self._running_counts()
+        return {**counts, "sessions": len(self.history), "preemptions": self.preemptions}
 
 
 def _chain(keys: list[list[int] | bytes]) -> list[str]:

@@ -3,14 +3,15 @@
 OmniflowError
 └── EngineError           an engine could not load a model or serve a request
     ├── ModelLoadError        a model directory is missing, malformed or unsupported
-    └── RequestError          a GenerateRequest is invalid (also a ValueError)
+    ├── RequestError          a GenerateRequest is invalid (also a ValueError)
+    └── EngineProcessError    the engine's own process is gone (executor="process")
 """
 
 from __future__ import annotations
 
 from omniflow._exceptions import OmniflowError
 
-__all__ = ["EngineError", "ModelLoadError", "RequestError"]
+__all__ = ["EngineError", "EngineProcessError", "ModelLoadError", "RequestError"]
 
 
 class EngineError(OmniflowError):
@@ -45,3 +46,12 @@ class RequestError(EngineError, ValueError):
         super().__init__(message)
         #: The request field at fault.
         self.field = field
+
+
+class EngineProcessError(EngineError):
+    """The process an engine runs its forward pass in is gone (killed, out of memory, crashed);
+    the engine fails every request it holds and refuses new ones until it is restarted.
+
+    >>> isinstance(EngineProcessError("the engine process exited with code -9"), EngineError)
+    True
+    """

@@ -20,7 +20,7 @@ from omniflow._exceptions import OmniflowError
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._sequence import Sequence
 
-__all__ = ["KvCache", "PagePool", "layer_names", "page_keys"]
+__all__ = ["KvCache", "L1Pages", "PagePool", "layer_names", "page_keys"]
 
 
 class PagePool(Protocol):
@@ -83,6 +83,26 @@ class KvCache:
         ks = [self.pool.view(slot, name, "k") for name in self.names]
         vs = [self.pool.view(slot, name, "v") for name in self.names]
         return ks, vs
+
+
+class L1Pages:
+    """``KvCache``'s seam for a process that holds only the pool's L1 arrays (the engine's own
+    process): a page is named by its L1 index, which the engine's ``KvCache.block`` gave."""
+
+    __slots__ = ("_stores", "names")
+
+    def __init__(self, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._stores = stores  #: per layer the (k, v) L1 arrays
+        self.names = layer_names(len(stores))  #: sub_name of each layer
+
+    def stores(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._stores
+
+    def block(self, indices: list[int]) -> torch.Tensor:
+        return torch.tensor(indices, dtype=torch.long, device=self._stores[0][0].device)
+
+    def views(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [k[index] for k, _ in self._stores], [v[index] for _, v in self._stores]
 
 
 def page_keys(seq: Sequence, n_pages: int, page_tokens: int) -> list[list[int] | bytes]:

@@ -19,14 +19,19 @@ from .conftest import greedy, hf_greedy, run
 pytestmark = pytest.mark.timeout(300)
 
 
+#: where the forward pass runs (the engine's own process must behave the same)
+EXECUTORS = ["thread", "process"]
+
+
 def prompt(n: int, salt: int = 0) -> list[int]:
     return [5 + (i * 11 + salt * 17) % 300 for i in range(n)]
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_cancel_mid_generation_frees_every_slot_and_spares_the_others(
-    model_dirs: Callable[[str], Path], engine_factory: Any
+    model_dirs: Callable[[str], Path], engine_factory: Any, executor: str
 ) -> None:
-    engine = await engine_factory(model_dirs("llama"), max_batch=8)
+    engine = await engine_factory(model_dirs("llama"), max_batch=8, executor=executor)
     pool = engine.kv_pool
     prompts = [prompt(n, salt=i) for i, n in enumerate((20, 45, 33, 70))]
     alone = [
@@ -96,10 +101,11 @@ async def test_abort_by_id_ends_the_stream_with_an_error(
     assert engine.kv_pool.stats()["pinned"] == 0
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(
-    model_dirs: Callable[[str], Path], engine_factory: Any
+    model_dirs: Callable[[str], Path], engine_factory: Any, executor: str
 ) -> None:
-    engine = await engine_factory(model_dirs("llama"))
+    engine = await engine_factory(model_dirs("llama"), executor=executor)
     params = SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.9, top_k=50, seed=1234)
     p = prompt(12)
     alone, _ = await run(engine, GenerateRequest(input_ids=p, sampling=params))
@@ -212,13 +218,15 @@ async def test_chat_messages_use_the_models_template(
     assert got == hf_greedy(reference(path), want_ids, 16)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_embeds_enter_as_segments_and_key_the_cache(
-    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any
+    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any, executor: str
 ) -> None:
     path = model_dirs("llama")
-    engine = await engine_factory(path)
+    engine = await engine_factory(path, executor=executor)
     head, image_ids, tail = prompt(10), prompt(24, salt=4), prompt(5, salt=8)
-    rows = engine._runner.model.embed[torch.tensor(image_ids)].clone()  # an "encoder output"
+    embed = reference(path).get_input_embeddings().weight.detach()
+    rows = embed[torch.tensor(image_ids)].clone()  # an "encoder output"
     want = hf_greedy(reference(path), [*head, *image_ids, *tail], 16)
     req = GenerateRequest(input_ids=head, embeds=[rows, tail], session="m", sampling=greedy(16))
     got, cached = await run(engine, req)

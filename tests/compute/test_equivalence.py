@@ -16,6 +16,8 @@ from .conftest import MODELS, greedy, hf_greedy, run
 pytestmark = pytest.mark.timeout(300)
 
 LENGTHS = (3, 17, 40, 8, 33, 1, 64, 21)
+#: where the forward pass runs (``executor="process"``: the engine's own process, same results)
+EXECUTORS = ["thread", "process"]
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -35,12 +37,13 @@ async def test_single_request_matches_transformers(
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_eight_concurrent_requests_match_transformers(
-    name: str, model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any
+    name: str, model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any, executor: str
 ) -> None:
     path = model_dirs(name)
     # a small step budget forces chunked prefill next to decoding streams
-    engine = await engine_factory(path, max_batch=8, max_step_tokens=24)
+    engine = await engine_factory(path, max_batch=8, max_step_tokens=24, executor=executor)
     prompts = [prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
     results = await asyncio.gather(
         *(run(engine, GenerateRequest(input_ids=p, sampling=greedy())) for p in prompts)
@@ -51,11 +54,12 @@ async def test_eight_concurrent_requests_match_transformers(
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_second_turn_with_prefix_hit_matches_transformers(
-    name: str, model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any
+    name: str, model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any, executor: str
 ) -> None:
     path = model_dirs(name)
-    engine = await engine_factory(path)
+    engine = await engine_factory(path, executor=executor)
     ref = reference(path)
     turn1 = prompt(50)
     reply, cached1 = await run(
@@ -99,12 +103,13 @@ async def test_incremental_step_matches_full_resend(
     assert cached2 == 32
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_evicted_pages_are_recomputed_not_wrong(
-    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any
+    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any, executor: str
 ) -> None:
     path = model_dirs("llama")
     # 24 pages: turn 1 publishes 7; a second session needs 19 more, evicting part of the chain
-    engine = await engine_factory(path, pool_pages=24)
+    engine = await engine_factory(path, pool_pages=24, executor=executor)
     ref = reference(path)
     turn1 = prompt(64)
     reply, _ = await run(engine, GenerateRequest(input_ids=turn1, session="a", sampling=greedy()))
@@ -122,12 +127,13 @@ async def test_evicted_pages_are_recomputed_not_wrong(
     assert got == hf_greedy(ref, turn2, 64)  # ... and recomputed from the host-side tokens
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_garbage_in_fresh_pool_memory_never_leaks_into_attention(
-    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any
+    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any, executor: str
 ) -> None:
     """The pool's arrays start uninitialised (torch.empty): poison them with NaN first."""
     path = model_dirs("llama")
-    engine = await engine_factory(path, max_batch=8, max_step_tokens=24)
+    engine = await engine_factory(path, max_batch=8, max_step_tokens=24, executor=executor)
     for name in engine._kv.names:
         for sl in ("k", "v"):
             engine.kv_pool.storage(name, sl).fill_(float("nan"))
@@ -138,3 +144,22 @@ async def test_garbage_in_fresh_pool_memory_never_leaks_into_attention(
     ref = reference(path)
     for p, (got, _) in zip(prompts, results, strict=True):
         assert got == hf_greedy(ref, p, 24)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+async def test_preempted_requests_are_recomputed_on_new_pages(
+    model_dirs: Callable[[str], Path], reference: Any, engine_factory: Any, executor: str
+) -> None:
+    """Too few pages for four requests at once: some are preempted (pages released, tokens
+    kept) and recomputed later on other pages; a request that finds every page held by
+    sequences about to finish waits for them instead of failing."""
+    path = model_dirs("llama")
+    engine = await engine_factory(path, max_batch=4, pool_pages=12, executor=executor)
+    prompts = [prompt(40, salt=i) for i in range(4)]
+    results = await asyncio.gather(
+        *(run(engine, GenerateRequest(input_ids=p, sampling=greedy(48))) for p in prompts)
+    )
+    assert engine.statistics()["preemptions"] > 0
+    ref = reference(path)
+    for p, (got, _) in zip(prompts, results, strict=True):
+        assert got == hf_greedy(ref, p, 48)
