@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -227,9 +228,15 @@ async def interleaved(
 
 
 def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used so far."""
+    """CPU seconds (user + system, all threads) a process and its live descendants (the engine
+    process of ``--executor process``) have used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread or child that just exited
+            for child in (task / "children").read_text().split():
+                own += proc_cpu(int(child))
+    return own
 
 
 def loop_cpu(pid: int) -> float:
