@@ -94,6 +94,7 @@ class EngineProcess:
                 [sys.executable, "-c", _ENTRY, str(ctl_child.fileno()), str(fds_child.fileno())],
                 pass_fds=(ctl_child.fileno(), fds_child.fileno()),
                 stdin=subprocess.DEVNULL,
+                env=_child_env(),
             )
         finally:
             ctl_child.close()
@@ -205,6 +206,12 @@ class EngineProcess:
     def pid(self) -> int | None:
         """The engine process's pid while it runs (observability, tests)."""
         return None if self._proc is None else self._proc.pid
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment without omniflow's secrets (the API key, the cluster key):
+    the engine process reads weights and steps, and needs none of them."""
+    return {k: v for k, v in os.environ.items() if not (k.startswith("OMNIFLOW_") and "KEY" in k)}
 
 
 class ProcessRunner:

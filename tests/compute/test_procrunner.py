@@ -81,11 +81,20 @@ async def test_a_load_error_in_the_engine_process_comes_back_typed(
     assert errors[0] == errors[1]  # the same error, wherever the weights were read
 
 
-async def test_stop_ends_the_engine_process(model_dirs: Callable[[str], Path]) -> None:
+async def test_stop_ends_the_engine_process_which_holds_no_secret(
+    model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMNIFLOW_CLUSTER_KEY", "k" * 32)
+    monkeypatch.setenv("OMNIFLOW_API_KEY", "s3cret")
     engine = of.TorchEngine(model_dirs("llama"), executor="process")
     await engine.start()
     assert engine._proc is not None and engine._proc.pid is not None
     pid = engine._proc.pid
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not [
+        v for v in environ if v.startswith((b"OMNIFLOW_CLUSTER_KEY=", b"OMNIFLOW_API_KEY="))
+    ]
+    assert any(v.startswith(b"PATH=") for v in environ)  # the rest is inherited
     ids, _ = await run(engine, GenerateRequest(input_ids=prompt(20), sampling=greedy(8)))
     assert len(ids) == 8
     await engine.stop()
