@@ -24,6 +24,10 @@ size); without it a random-init one (32x32 images, 8x8 patches: 16 rows per imag
 next to the tiny LLM. Random weights make the rows depend on the image's pixels, but they carry
 no meaning a real LLM was trained on; point both variables to a matched pair for that.
 
+``$OMNIFLOW_ENGINE_EXECUTOR=process`` runs the LLM's forward pass in a process of its own
+(``TorchEngine(executor="process")``: the serving loop and the forward no longer take turns on
+the GIL; CPU only); the default is the engine's thread.
+
     OMNIFLOW_MODEL=/models/Qwen2-0.5B-Instruct omniflow serve graphs/omni_chat.py
     omniflow run graphs/omni_chat.py --input 'messages=[{"role": "user", "content": "Hi!"}]' \
         -i max_tokens=16 -i temperature=null -i top_p=null -i seed=null -i stop=null
@@ -192,7 +196,8 @@ class Llm(of.Role):
         self._open: dict[tuple[str | None, str], tuple[str, int]] = {}
 
     async def setup(self) -> None:
-        self.engine = of.TorchEngine(model_dir(), max_batch=16)
+        executor = os.environ.get("OMNIFLOW_ENGINE_EXECUTOR") or "thread"
+        self.engine = of.TorchEngine(model_dir(), max_batch=16, executor=executor)
         await self.engine.start()
 
     async def teardown(self) -> None:

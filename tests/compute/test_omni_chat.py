@@ -51,14 +51,21 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
 async def test_two_turns_with_an_image(
-    model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    model_dirs: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    executor: str,
 ) -> None:
+    monkeypatch.setenv("OMNIFLOW_ENGINE_EXECUTOR", executor)  # image rows cross in shm
     monkeypatch.setenv("OMNIFLOW_MODEL", str(model_dirs("llama")))
     monkeypatch.setenv("OMNIFLOW_AUDIO_DIR", str(tmp_path))
     monkeypatch.setenv("OMNIFLOW_CACHE", str(tmp_path / "cache"))
     (graph,) = of.load_graphs(GRAPH)
-    turn1 = [user("Hello, what is in this picture?", png_url((200, 30, 60)))]
+    # a picture of its own per case: the encoder cache lives as long as the loaded module
+    color = (200, 30, 60) if executor == "thread" else (30, 60, 200)
+    turn1 = [user("Hello, what is in this picture?", png_url(color))]
     vision = graph.roles["vision"]
     calls, hits = vision.calls, vision.cache.stats()["hits"]
     async with of.Runtime(graph) as rt:
