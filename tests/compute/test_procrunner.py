@@ -43,16 +43,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-async def until(cond: Callable[[], bool], what: str, *, limit_s: float = 120.0) -> None:
-    """Poll ``cond``; the limit only turns a hang into a failure (far above what is needed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"not after {limit_s:g} s: {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_a_bad_executor_and_a_gpu_device_are_refused(
     model_dirs: Callable[[str], Path],
 ) -> None:
