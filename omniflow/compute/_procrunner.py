@@ -372,7 +372,10 @@ def main(ctl_fd: int, fds_fd: int) -> None:  # pragma: no cover - runs in the en
             break
         if message is None:
             break
-        conn.send(_step(runner, staging[0], *message[1:]))
+        try:
+            conn.send(_step(runner, staging[0], *message[1:]))
+        except OSError:  # the engine stopped while this step ran: nobody reads the reply
+            break
     # Nothing of ours to flush or clean (the shared arrays are the parent's): skip the
     # interpreter's teardown of torch, which costs ~0.5 s the engine's stop would wait for.
     sys.stdout.flush()

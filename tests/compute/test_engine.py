@@ -296,10 +296,11 @@ async def test_bad_requests_get_typed_actionable_errors(
     assert engine.kv_pool.stats()["pinned"] == 0
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_start_is_idempotent_and_stop_fails_pending_requests(
-    model_dirs: Callable[[str], Path],
+    model_dirs: Callable[[str], Path], executor: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    engine = of.TorchEngine(model_dirs("llama"))
+    engine = of.TorchEngine(model_dirs("llama"), executor=executor)
     await asyncio.gather(engine.start(), engine.start())
     started = asyncio.Event()
 
@@ -316,6 +317,7 @@ async def test_start_is_idempotent_and_stop_fails_pending_requests(
         await task
     with pytest.raises(EngineError, match="stopped"):
         await engine.start()
+    assert "Traceback" not in capfd.readouterr().err  # nor from the engine process
 
 
 async def _until(cond: Callable[[], bool], what: str, *, limit_s: float = 120.0) -> None:
