@@ -100,13 +100,36 @@ def _valid_wavs(audio_dir: Path) -> list[Path]:
     return wavs
 
 
+def _engine_processes(pid: int) -> list[int]:
+    """The engine processes (``executor="process"``) among ``pid``'s children."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"omniflow.compute._procrunner" in cmdline:
+                found.append(int(child))
+    return found
+
+
+def _exited(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
 @pytest.mark.slow
-def test_served_to_the_openai_client(tmp_path: Path) -> None:
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_served_to_the_openai_client(tmp_path: Path, executor: str) -> None:
     """``omniflow serve graphs/omni_chat.py`` with the tiny model made on first use."""
     audio = tmp_path / "audio"
     env = {"OMNIFLOW_CACHE": str(tmp_path / "cache"), "OMNIFLOW_AUDIO_DIR": str(audio)}
+    env |= {"OMNIFLOW_ENGINE_EXECUTOR": executor}
     env_unset = {"OMNIFLOW_MODEL": ""}  # the graph treats an empty value as unset
     with run_server(str(GRAPH), tmp=tmp_path, env={**env, **env_unset}, start_timeout=240) as srv:
+        engines = _engine_processes(srv.proc.pid)
+        assert len(engines) == (executor == "process")
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list()] == ["omni_chat"]
         turn1: Any = [{"role": "user", "content": "Hello there. Tell me a story!"}]
@@ -179,6 +202,8 @@ def test_served_to_the_openai_client(tmp_path: Path) -> None:
         with pytest.raises(openai.InternalServerError, match="top_p"):
             client.chat.completions.create(model="omni_chat", messages=turn1, top_p=0)
         client.close()
+        assert srv.terminate() == 0  # the role's teardown stops the engine: its process too
+        assert all(_exited(pid) for pid in engines)
     wavs = _valid_wavs(audio)
     assert wavs, "the TTS wrote no WAV"
 
