@@ -187,6 +187,25 @@ async def test_dit_reads_llm_pages_in_place_and_matches_reference(
     )
 
 
+async def test_dit_reads_pages_an_engine_process_wrote(dirs: tuple[Path, Path]) -> None:
+    """The LLM's forward in a process of its own (executor="process") writes the prompt's KV
+    into the shared L1 arrays; the DiT in this process reads those pages in place and gets
+    the reference picture."""
+    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 32, "l2": 0, "l3": 0})
+    llm = TorchEngine(dirs[0], pool=pool, device="cpu", executor="process")
+    dit = DiTEngine(dirs[1], pool=pool, device="cpu", max_batch=4)
+    async with llm, dit:
+        prefix = await llm.prefill(GenerateRequest(input_ids=PROMPT, session="s"))
+        steps = 4
+        outs = await denoise(dit, DenoiseRequest(context=prefix, steps=steps, seed=1))
+        model = dit._runner.model
+        ck, cv = contiguous_kv(dirs[0], PROMPT, 32)
+        ref = reference(model, noise_of(1, model), ck, cv, steps)
+        torch.testing.assert_close(outs[-1].latents, ref, rtol=1e-5, atol=1e-5)
+        assert pool.stats()["pinned"] == 0
+    await pool.aclose()
+
+
 async def test_concurrent_pictures_batch_in_one_loop(
     engines: tuple[TorchEngine, DiTEngine, Any],
 ) -> None:
