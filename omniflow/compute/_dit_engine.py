@@ -127,14 +127,6 @@ class DitRunner:
     def detach(self, request_id: str) -> None:
         self._views.pop(request_id, None)
 
-    def clear(self, slots: list[int]) -> None:
-        """Zero fresh pages: the batched attention gathers whole pages and masks the positions
-        past a picture's end, and the pool's memory may hold NaN patterns (0 * NaN is NaN)."""
-        for slot in slots:
-            ks, vs = self.kv.views(slot)
-            for t in (*ks, *vs):
-                t.zero_()
-
     def step(self, seqs: list[DitSeq]) -> list[torch.Tensor]:
         """One Euler step of every picture, as one forward pass; their new latents."""
         model = self.model
@@ -283,7 +275,7 @@ class DiTEngine(EngineBase[DenoiseRequest, DenoiseOutput, Outbox[DitSeq]]):
                 except PoolExhaustedError as exc:
                     self._wait_for_pages(seq, exc)
                     continue
-                self._runner.clear(fresh)
+                self._kv.zero(fresh)
                 seq.slots.extend(fresh)
                 seq.own_pages = True
                 self._runner.attach(seq)

@@ -382,7 +382,7 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
                 except PoolExhaustedError as exc:
                     await self._preempt(seq, exc)
                     continue
-                self._runner.clear(fresh)
+                self._kv.zero(fresh)
                 seq.slots.extend(fresh)
                 self._runner.attach(seq)
             kept.items.append((seq, n))

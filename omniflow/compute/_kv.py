@@ -84,6 +84,15 @@ class KvCache:
         vs = [self.pool.view(slot, name, "v") for name in self.names]
         return ks, vs
 
+    def zero(self, slots: list[int]) -> None:
+        """Zero freshly allocated pages: batched attention reads whole pages and masks the
+        positions not written yet, and the pool's memory may hold NaN patterns (0 * NaN is
+        NaN). Between steps only (an engine process sees it through the shared arrays)."""
+        for slot in slots:
+            ks, vs = self.views(slot)
+            for t in (*ks, *vs):
+                t.zero_()
+
 
 class L1Pages:
     """``KvCache``'s seam for a process that holds only the pool's L1 arrays (the engine's own

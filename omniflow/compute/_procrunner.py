@@ -15,7 +15,7 @@ What crosses, and when:
   answers the config, device and dtype (this process never holds the weights);
 - once the pool is open, the pool's L1 arrays (moved to shared memory in place, so every view of
   them here stays valid and sees what the engine process writes) and a shared staging array for
-  embedding rows, through ``torch.multiprocessing``'s file-descriptor passing;
+  embedding rows, as file descriptors over a socket pair (SCM_RIGHTS);
 - per step, one message of plain values and one reply: the ``StepItem``s (embedding rows copied
   into the staging array, the item saying where), the L1 block ids of sequences whose pages
   changed, the sampling parameters of new sampled requests, the requests gone; the reply is the
@@ -224,7 +224,7 @@ class ProcessRunner:
 
     def __init__(self, proc: EngineProcess, kv: KvCache, info: ModelInfo, max_rows: int) -> None:
         self.proc = proc  #: the engine process
-        self.kv = kv  #: this process's pool seam (block ids, page views for zeroing)
+        self.kv = kv  #: this process's pool seam (block ids)
         self._blocks: dict[str, list[int]] = {}  #: request_id -> L1 ids not yet sent
         self._sampling: dict[str, SamplingParams] = {}  #: request_id -> params not yet sent
         self._gone: list[str] = []  #: requests to forget, not yet sent
@@ -253,13 +253,6 @@ class ProcessRunner:
                 "run this engine with executor='thread'"
             )
         self._blocks[seq.request_id] = block.tolist()
-
-    def clear(self, slots: list[int]) -> None:
-        """Zero freshly allocated pages (between steps: the engine process is idle)."""
-        for slot in slots:
-            ks, vs = self.kv.views(slot)
-            for t in (*ks, *vs):
-                t.zero_()
 
     def sample_with(self, request_id: str, params: SamplingParams) -> None:
         self._sampling[request_id] = params

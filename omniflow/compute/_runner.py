@@ -98,14 +98,6 @@ class ModelRunner:
         no call)."""
         self.sampling[request_id] = (params, make_generator(params))
 
-    def clear(self, slots: list[int]) -> None:
-        """Zero freshly allocated pages: the positions a step has not written yet are read
-        (masked) by batched decode attention, and the pool's memory may hold NaN patterns."""
-        for slot in slots:
-            ks, vs = self.kv.views(slot)
-            for t in (*ks, *vs):
-                t.zero_()
-
     def detach(self, request_id: str) -> None:
         """Forget a finished sequence (page views and RNG)."""
         self._pages.pop(request_id, None)

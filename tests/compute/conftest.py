@@ -37,6 +37,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: where the forward pass runs (``executor="process"``: the engine's own process, same results)
+EXECUTORS = ["thread", "process"]
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     made: dict[str, Path] = {}

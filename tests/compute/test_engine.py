@@ -14,13 +14,9 @@ import torch
 import omniflow as of
 from omniflow.compute import EngineError, GenerateRequest, RequestError, SamplingParams
 
-from .conftest import greedy, hf_greedy, run
+from .conftest import EXECUTORS, greedy, hf_greedy, run
 
 pytestmark = pytest.mark.timeout(300)
-
-
-#: where the forward pass runs (the engine's own process must behave the same)
-EXECUTORS = ["thread", "process"]
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:

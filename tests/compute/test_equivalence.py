@@ -11,13 +11,11 @@ import pytest
 
 from omniflow.compute import GenerateRequest
 
-from .conftest import MODELS, greedy, hf_greedy, run
+from .conftest import EXECUTORS, MODELS, greedy, hf_greedy, run
 
 pytestmark = pytest.mark.timeout(300)
 
 LENGTHS = (3, 17, 40, 8, 33, 1, 64, 21)
-#: where the forward pass runs (``executor="process"``: the engine's own process, same results)
-EXECUTORS = ["thread", "process"]
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
