@@ -31,7 +31,7 @@ from omniflow.data._attach import PoolAttachment
 from omniflow.data._handle import BlockHandle
 from omniflow.data._pool import SharedBufferPool
 from omniflow.data._ref import CONNECTORS, DataRef
-from omniflow.transport._auth import Opener, WireStats
+from omniflow.transport._auth import Opener, PlainOpener, WireStats
 from omniflow.transport._dealers import Dealers
 from omniflow.transport._protocol import (
     Batch,
@@ -452,8 +452,11 @@ class PullClient:
     def __init__(self, key: bytes, stats: WireStats | None = None) -> None:
         #: Replies are authenticated with the cluster key before anything is decoded.
         self._opener = Opener(key, stats)
-        #: One connection, sealer and reader per producer address.
-        self._dealers = Dealers(key, self._read)
+        #: What comes over a connection that proved the key (a uds:// producer) is not sealed.
+        self._plain = PlainOpener(self._opener.stats)
+        #: One connection, sealer and reader per producer address (authenticated where the
+        #: producer's transport can: it is a worker's endpoint, bound with the key).
+        self._dealers = Dealers(key, self._read, authenticate=True)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         #: Request id -> (address, pid) of the producer it waits on.
         self._asked: dict[int, tuple[str, int]] = {}
@@ -492,12 +495,13 @@ class PullClient:
     async def _read(self, _address: str, ep: Any) -> None:
         from omniflow._exceptions import RuntimeClosedError
 
+        opener = self._plain if ep.authenticated else self._opener
         while True:
             try:
                 _peer, frames = await ep.recv()
             except (RuntimeClosedError, asyncio.CancelledError):
                 return
-            inner = self._opener.open(frames)
+            inner = opener.open(frames)
             if inner is None:
                 continue  # counted by the opener
             try:

@@ -36,7 +36,7 @@ from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle, Subpro
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import Backoff, Lifecycle, ReplicaEvent, ReplicaState
 from omniflow.transport import EndpointState, connect
-from omniflow.transport._auth import Opener, Sealer, WireStats
+from omniflow.transport._auth import Opener, PlainOpener, PlainSealer, Sealer, WireStats
 from omniflow.transport._protocol import (
     MAX_BATCH,
     Batch,
@@ -88,7 +88,10 @@ class Replica:
     #: Process id the worker reported in "ready" (its data-plane refs carry it).
     pid: int | None = None
     #: Seals what this front sends on this connection (one sender, one counter).
-    sealer: Sealer | None = None
+    sealer: Sealer | PlainSealer | None = None
+    #: Checks what it sends where its connection is authenticated (None: the fleet's opener,
+    #: which checks each message's seal).
+    opener: PlainOpener | None = None
     #: Loop time of the last authentic message from it (heartbeats included).
     last_seen: float = 0.0
     #: The process group it was started for and its slot there (None: found in the registry).
@@ -223,8 +226,11 @@ class Fleet:
 
     async def _connect(self, rep: Replica) -> None:
         loop = asyncio.get_running_loop()
-        rep.endpoint = connect(rep.address)
-        rep.sealer = Sealer(self.cluster_key)
+        rep.endpoint = connect(rep.address, key=self.cluster_key)
+        if rep.endpoint.authenticated:  # (uds://: the connection proved the key once)
+            rep.sealer, rep.opener = PlainSealer(), PlainOpener(self.wire)
+        else:
+            rep.sealer = Sealer(self.cluster_key)
         if rep.ready is None:
             rep.ready = loop.create_future()
         rep.tasks.append(loop.create_task(self._write(rep)))
@@ -415,7 +421,7 @@ class Fleet:
         """Handle what ``rep`` sent: check, decode, dispatch each message. ``may_wait``: a
         message about a run the front does not know yet may send the rest to ``_later``
         (then True)."""
-        opener = self._opener
+        opener = rep.opener or self._opener
         time = asyncio.get_running_loop().time
         was, self.in_batch = self.in_batch, True
         try:

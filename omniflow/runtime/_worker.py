@@ -48,7 +48,15 @@ from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.transport import bind, connect, fast_path_enabled
-from omniflow.transport._auth import Opener, Sealer, WireStats, resolve_key
+from omniflow.transport._auth import (
+    Opener,
+    PlainOpener,
+    PlainSealer,
+    Sealer,
+    WireStats,
+    for_endpoint,
+    resolve_key,
+)
 from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._protocol import (
     MAX_BATCH,
@@ -129,7 +137,7 @@ class _Link:
 
     __slots__ = ("endpoint", "out", "sealer", "writer")
 
-    def __init__(self, endpoint: Any, sealer: Sealer) -> None:
+    def __init__(self, endpoint: Any, sealer: Sealer | PlainSealer) -> None:
         self.endpoint = endpoint
         self.sealer = sealer
         #: Messages that could not go out at once, in order (the writer sends them).
@@ -205,8 +213,10 @@ class Worker:
         #: Accepted and dropped messages (bad MAC, replay, malformed, unknown, foreign).
         self.wire = WireStats()
         self._key = key
-        self._sealer = Sealer(key)
-        self._opener = Opener(key, self.wire)
+        #: Under the key, or plain once the endpoint is bound if its connections are
+        #: authenticated (``uds://``: each proved the key when it was made).
+        self._sealer: Sealer | PlainSealer = Sealer(key)
+        self._opener: Opener | PlainOpener = Opener(key, self.wire)
         #: The front that spawned this worker (its Hello says so); only it may ``stop`` it.
         self.owner = owner
         #: Peer -> the front token its Hello carried, and back.
@@ -301,7 +311,8 @@ class Worker:
                 with contextlib.suppress(OSError), open(path, "w") as f:
                     f.write(str(exc))
             raise
-        endpoint = self._endpoint = bind(self.address)
+        endpoint = self._endpoint = bind(self.address, key=self._key)
+        self._sealer, self._opener = for_endpoint(endpoint, self._key, self.wire)
         self.plane.shm.source = endpoint.url
         registry = None
         try:
@@ -877,7 +888,8 @@ class Worker:
         """The connection to the worker at ``address`` (made on first use)."""
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = _Link(connect(address), Sealer(self._key))
+            endpoint = connect(address, key=self._key)
+            link = self._links[address] = _Link(endpoint, for_endpoint(endpoint, self._key)[0])
         return link
 
     def _link_send(self, address: str, frames: list[Any]) -> None:

@@ -83,6 +83,11 @@ class Endpoint(ABC):
     :class:`~omniflow.RuntimeClosedError`.
     """
 
+    #: Every connection of this endpoint proved the cluster key when it was made and the
+    #: transport keeps its byte stream intact (``uds://`` opened with ``key=``): its messages
+    #: need no per-message seal (``transport._auth``), and none is put on or checked.
+    authenticated: bool = False
+
     def __init__(self, url: str, *, bound: bool, identity: bytes | None = None) -> None:
         #: The endpoint's address; for a bound ``tcp://host:0`` the port actually chosen.
         self.url = url
@@ -288,12 +293,17 @@ class Transport(ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
-    def bind(self, url: str) -> Endpoint:
-        """Open the receiving side at ``url`` (raises TransportError if it is taken)."""
+    def bind(self, url: str, *, key: bytes | None = None) -> Endpoint:
+        """Open the receiving side at ``url`` (raises TransportError if it is taken).
+        ``key``: the cluster key, where the transport authenticates connections with it (see
+        ``Endpoint.authenticated``); ignored elsewhere."""
 
     @abstractmethod
-    def connect(self, url: str, *, identity: bytes | None = None) -> Endpoint:
-        """Open a connected endpoint to ``url`` with a stable ``identity`` (random if None)."""
+    def connect(
+        self, url: str, *, identity: bytes | None = None, key: bytes | None = None
+    ) -> Endpoint:
+        """Open a connected endpoint to ``url`` with a stable ``identity`` (random if None);
+        ``key`` as for ``bind`` (both sides give it, or neither)."""
 
 
 _TRANSPORTS: dict[str, Transport] = {}
@@ -330,14 +340,17 @@ def transport_for(url: str) -> Transport:
         ) from None
 
 
-def bind(url: str) -> Endpoint:
-    """Bind the receiving (ROUTER) side of ``url``; see the module docstring."""
-    return transport_for(url).bind(url)
+def bind(url: str, *, key: bytes | None = None) -> Endpoint:
+    """Bind the receiving (ROUTER) side of ``url``; see the module docstring. ``key``: every
+    connection must prove it where the transport can check that (``uds://``; then
+    ``authenticated`` is True)."""
+    return transport_for(url).bind(url, key=key)
 
 
-def connect(url: str, *, identity: bytes | None = None) -> Endpoint:
-    """Connect a (DEALER) endpoint to ``url``; see the module docstring."""
-    return transport_for(url).connect(url, identity=identity)
+def connect(url: str, *, identity: bytes | None = None, key: bytes | None = None) -> Endpoint:
+    """Connect a (DEALER) endpoint to ``url``; see the module docstring. ``key`` as for
+    ``bind``: a side that authenticates connections talks only to one that does too."""
+    return transport_for(url).connect(url, identity=identity, key=key)
 
 
 def socket_file_in_use(path: str) -> bool:

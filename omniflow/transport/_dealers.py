@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from omniflow.transport._auth import Sealer
+from omniflow.transport._auth import PlainSealer, Sealer
 from omniflow.transport._base import Endpoint, connect
 
 __all__ = ["Dealers"]
@@ -26,28 +26,40 @@ class Dealers:
     """Per peer address: a connected endpoint, a sealer under the current key, a reader task.
 
     ``random_identity``: connect with 8 random bytes as the DEALER identity (else the
-    transport's own).
+    transport's own). ``authenticate``: connect with the key (``connect(key=)``), for peers
+    bound with it; a connection that is then authenticated sends unsealed (``PlainSealer``).
     """
 
-    def __init__(self, key: bytes, read: Reader, *, random_identity: bool = False) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        read: Reader,
+        *,
+        random_identity: bool = False,
+        authenticate: bool = False,
+    ) -> None:
         self._key = key
+        self._authenticate = authenticate
         self._read = read
         self._random_identity = random_identity
         self._conns: dict[str, Endpoint] = {}
-        self._sealers: dict[str, Sealer] = {}
+        self._sealers: dict[str, Sealer | PlainSealer] = {}
         self._readers: list[asyncio.Task[None]] = []
 
-    def get(self, address: str) -> tuple[Endpoint, Sealer]:
+    def get(self, address: str) -> tuple[Endpoint, Sealer | PlainSealer]:
         """The endpoint and sealer for ``address``, connecting (and starting its reader) on
         first use; call from the event loop."""
         ep = self._conns.get(address)
         if ep is None:
             identity = secrets.token_bytes(8) if self._random_identity else None
-            ep = self._conns[address] = connect(address, identity=identity)
+            key = self._key if self._authenticate else None
+            ep = self._conns[address] = connect(address, identity=identity, key=key)
             self._readers.append(asyncio.get_running_loop().create_task(self._read(address, ep)))
         sealer = self._sealers.get(address)
         if sealer is None:
-            sealer = self._sealers[address] = Sealer(self._key)
+            sealer = self._sealers[address] = (
+                PlainSealer() if ep.authenticated else Sealer(self._key)
+            )
         return ep, sealer
 
     def rekey(self, key: bytes) -> None:

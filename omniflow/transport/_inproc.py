@@ -135,7 +135,7 @@ class InprocTransport(Transport):
         #: Bound endpoints by name.
         self.listeners: dict[str, _InprocListener] = {}
 
-    def bind(self, url: str) -> Endpoint:
+    def bind(self, url: str, *, key: bytes | None = None) -> Endpoint:
         name = _name(url)
         if name in self.listeners:
             raise TransportError(f"{url}: address already in use", url=url)
@@ -143,7 +143,9 @@ class InprocTransport(Transport):
         self.listeners[name] = listener
         return listener
 
-    def connect(self, url: str, *, identity: bytes | None = None) -> Endpoint:
+    def connect(
+        self, url: str, *, identity: bytes | None = None, key: bytes | None = None
+    ) -> Endpoint:
         listener = self.listeners.get(_name(url))
         if listener is None:
             raise TransportError(

@@ -24,6 +24,13 @@ The semantics are those of ``_zmq``'s ROUTER/DEALER, which the fleet and the wor
   an identity with no connection raises TransportError (``ROUTER_MANDATORY``). A live socket at
   the path is refused, a stale file replaced, and the file is removed on close (if it is still
   ours).
+- **With a key** (``bind``/``connect`` ``key=``: the cluster key on both sides), the first
+  message is instead the keyed handshake (``_udswire.Handshake``: hello, challenge, proof;
+  each side proves the key for this connection's two nonces). The connected side writes
+  nothing else until the bound side's proof held; the bound side delivers nothing of a
+  connection, and routes nothing to it, until the connected side's did. A wrong or missing
+  proof drops the connection (logged; the connected side retries as after any loss). Such an
+  endpoint is ``authenticated``: its messages need no per-message seal.
 - **Connected side** (DEALER): a fixed identity. It may send before the bound side exists or
   while it restarts: messages queue and the connection is retried every 10 ms, backing off to
   50 ms (a timer on the loop, non-blocking ``connect``; no thread, no polling in between) until
@@ -76,6 +83,7 @@ from omniflow.transport._udswire import (
     HANDSHAKE,
     MSG_NOSIGNAL,
     Conn,
+    Handshake,
     Outbox,
     pack,
     peer_uid,
@@ -104,8 +112,13 @@ class _UdsEndpoint(Endpoint):
     """What both sides share: the loop they run on, the inbox and its waiters, and the
     reader/writer plumbing of a connection."""
 
-    def __init__(self, url: str, *, bound: bool, identity: bytes | None, hwm: int) -> None:
+    def __init__(
+        self, url: str, *, bound: bool, identity: bytes | None, hwm: int, key: bytes | None
+    ) -> None:
         super().__init__(url, bound=bound, identity=identity)
+        #: With a cluster key, every connection proves it when made (``Handshake``).
+        self._hs = Handshake(key) if key is not None else None
+        self.authenticated = key is not None
         #: Messages before ``send`` waits (per connection on the bound side).
         self.hwm = hwm
         #: The loop whose readers and writers watch our sockets (attached on first use).
@@ -142,7 +155,7 @@ class _UdsEndpoint(Endpoint):
         assert loop is not None
         loop.add_reader(conn.fd, self._on_readable, conn)
         conn.writing = False
-        if conn.outbox.queue:
+        if conn.outbox.queue and conn.ready:
             self._flush(conn)
 
     def _unwatch(self, conn: Conn, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -223,9 +236,9 @@ class _UdsEndpoint(Endpoint):
         """Queue ``msg`` (there is room) and write what the socket takes. With nothing queued
         before it (the common case) it goes out in one ``sendmsg`` and is never queued."""
         queue = outbox.queue
-        if conn is None or conn.writing or queue:
+        if conn is None or conn.writing or queue or not conn.ready:
             queue.append(msg)
-            if conn is not None and not conn.writing:
+            if conn is not None and conn.ready and not conn.writing:
                 self._flush(conn)
             return
         try:
@@ -284,7 +297,7 @@ class _UdsEndpoint(Endpoint):
         if conn.closed:
             return
         self._unwatch(conn)
-        if last_try:
+        if last_try and conn.ready:
             with contextlib.suppress(OSError):
                 conn.outbox.write(conn.sock)
         conn.closed = True
@@ -293,14 +306,35 @@ class _UdsEndpoint(Endpoint):
     def _wake_for_close(self) -> None:
         self._in.cancel()
 
+    def _send_handshake(self, conn: Conn, payload: bytes) -> bool:
+        """Write one handshake message on a fresh connection (it fits: nothing else was
+        written on it); False (and the connection dropped) if it did not go out whole."""
+        msg, size = pack(self.url, [payload])
+        try:
+            sent = conn.sock.sendmsg(msg, (), MSG_NOSIGNAL)
+        except OSError as exc:
+            self._lost(conn, f"writing the handshake failed: {exc}")
+            return False
+        if sent != size:
+            self._lost(conn, "the handshake did not fit a fresh connection")
+            return False
+        return True
+
 
 class _UdsRouter(_UdsEndpoint):
     """The bound side: accepts connections, routes by the identity each one announced."""
 
     def __init__(
-        self, url: str, listener: _socket.socket, path: str, inode: int, *, hwm: int
+        self,
+        url: str,
+        listener: _socket.socket,
+        path: str,
+        inode: int,
+        *,
+        hwm: int,
+        key: bytes | None = None,
     ) -> None:
-        super().__init__(url, bound=True, identity=None, hwm=hwm)
+        super().__init__(url, bound=True, identity=None, hwm=hwm, key=key)
         self._listener = listener
         self._lfd = listener.fileno()
         #: The socket file, and its inode (unlinked at close only if it is still ours).
@@ -347,6 +381,7 @@ class _UdsRouter(_UdsEndpoint):
                 continue
             sock.setblocking(False)
             conn = Conn(sock, Outbox(self.hwm))
+            conn.ready = self._hs is None  # (keyed: once its proof held)
             self._conns.add(conn)
             self._watch(conn)
 
@@ -356,21 +391,53 @@ class _UdsRouter(_UdsEndpoint):
         for frames in messages:
             if identity is None:
                 identity = self._handshake(conn, frames)
-                if identity is None:
+                if conn.closed:
                     return
                 continue
             inbox.append(Packet(identity, frames))
 
     def _handshake(self, conn: Conn, frames: list[Buffer]) -> bytes | None:
+        """Take the next handshake message of ``conn``: its identity once the handshake is
+        complete, else None (and ``conn`` dropped if the message was wrong)."""
+        hs = self._hs
+        if hs is not None:
+            return self._keyed_handshake(hs, conn, frames)
         first = bytes(frames[0])
         identity = first[len(HANDSHAKE) :]
         if len(frames) != 1 or not first.startswith(HANDSHAKE) or not identity:
             self._lost(
                 conn,
-                "its first message is not a uds handshake (another program, or another "
-                "omniflow wire version)",
+                "its first message is not a uds handshake (another program, a peer that "
+                "proves a cluster key where none is set here, or another omniflow wire "
+                "version)",
             )
             return None
+        return self._route(conn, identity)
+
+    def _keyed_handshake(self, hs: Handshake, conn: Conn, frames: list[Buffer]) -> bytes | None:
+        if conn.hs is None:  # the hello: answer with our nonce and proof
+            hello = hs.read_hello(frames)
+            if hello is None or len(hello[1]) > MAX_IDENTITY:
+                self._lost(
+                    conn,
+                    "its first message is not an authenticated uds handshake (a peer "
+                    "without the cluster key, or another omniflow wire version)",
+                )
+                return None
+            n_connected, identity = hello
+            n_bound = hs.nonce()
+            if self._send_handshake(conn, hs.challenge(n_connected, n_bound, identity)):
+                conn.hs = (n_connected, n_bound, identity)
+            return None
+        n_connected, n_bound, identity = conn.hs
+        if not hs.check_answer(frames, n_connected, n_bound, identity):
+            self._lost(conn, "it did not prove the cluster key (a peer with another key)")
+            return None
+        conn.hs = None
+        conn.ready = True
+        return self._route(conn, identity)
+
+    def _route(self, conn: Conn, identity: bytes) -> bytes:
         old = self._peers.get(identity)
         if old is not None:  # ROUTER_HANDOVER: the newest connection takes the route
             self._drop(old, "a new connection with the same identity took its route over")
@@ -449,8 +516,10 @@ class _UdsRouter(_UdsEndpoint):
 class _UdsDealer(_UdsEndpoint):
     """The connected side: one connection, re-made whenever it is missing."""
 
-    def __init__(self, url: str, path: str, identity: bytes, *, hwm: int) -> None:
-        super().__init__(url, bound=False, identity=identity, hwm=hwm)
+    def __init__(
+        self, url: str, path: str, identity: bytes, *, hwm: int, key: bytes | None = None
+    ) -> None:
+        super().__init__(url, bound=False, identity=identity, hwm=hwm, key=key)
         self._path = path
         #: Messages accepted and not yet written; outlives the connections.
         self._outbox = Outbox(hwm)
@@ -485,7 +554,14 @@ class _UdsDealer(_UdsEndpoint):
         try:
             sock.setblocking(False)
             sock.connect(self._path)
-            hello = pack(self.url, [HANDSHAKE + (self.identity or b"")])[0]
+            identity = self.identity or b""
+            nonce = b""
+            if self._hs is None:
+                first = HANDSHAKE + identity
+            else:
+                nonce = self._hs.nonce()
+                first = self._hs.hello(nonce, identity)
+            hello = pack(self.url, [first])[0]
             if sock.sendmsg(hello, (), MSG_NOSIGNAL) != 12 + len(hello[1]):
                 raise BlockingIOError("the handshake did not fit a fresh connection")
         except OSError:  # not bound (yet, or any more), backlog full, or gone already
@@ -494,6 +570,9 @@ class _UdsDealer(_UdsEndpoint):
             return
         self.connects += 1
         conn = self._conn = Conn(sock, self._outbox)
+        if self._hs is not None:  # nothing goes out before the bound side's proof held
+            conn.ready = False
+            conn.hs = (nonce,)
         self._watch(conn)
 
     def _schedule(self) -> None:
@@ -504,10 +583,37 @@ class _UdsDealer(_UdsEndpoint):
         self._delay = min(self._delay * 2, _RETRY_MAX)
 
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
-        self._delay = _RETRY_MIN  # a working connection: the next loss retries fast again
         inbox = self._in.packets
         for frames in messages:
+            if not conn.ready:
+                if not self._authenticate(conn, frames):
+                    return
+                continue
             inbox.append(Packet(None, frames))
+        self._delay = _RETRY_MIN  # a working connection: the next loss retries fast again
+
+    def _authenticate(self, conn: Conn, frames: list[Buffer]) -> bool:
+        """Check the bound side's challenge, answer it, and start writing; False (and the
+        connection dropped, then re-made later) if the bound side did not prove the key."""
+        hs, identity = self._hs, self.identity or b""
+        assert hs is not None and conn.hs is not None
+        (nonce,) = conn.hs
+        n_bound = hs.read_challenge(frames, nonce, identity)
+        if n_bound is None:
+            logger.warning(
+                "%s: the bound side did not prove the cluster key (another key, or not an "
+                "omniflow uds endpoint opened with one); dropped, retrying",
+                self.url,
+            )
+            self._lost(conn, "the bound side did not prove the cluster key")
+            return False
+        if not self._send_handshake(conn, hs.answer(nonce, n_bound, identity)):
+            return False
+        conn.hs = None
+        conn.ready = True
+        if conn.outbox.queue and not conn.writing:
+            self._flush(conn)
+        return True
 
     def _lost(self, conn: Conn, reason: str) -> None:
         if conn is not self._conn:
@@ -562,7 +668,7 @@ class UdsTransport(Transport):
         #: Messages per connection before ``send`` waits.
         self.hwm = hwm
 
-    def bind(self, url: str) -> Endpoint:
+    def bind(self, url: str, *, key: bytes | None = None) -> Endpoint:
         path = _path(url)
         if socket_file_in_use(path):
             raise TransportError(f"{url}: address already in use by a live socket", url=url)
@@ -575,16 +681,18 @@ class UdsTransport(Transport):
         except OSError as exc:
             listener.close()
             raise TransportError(f"{url}: cannot bind: {exc}", url=url) from exc
-        return _UdsRouter(url, listener, path, inode, hwm=self.hwm)
+        return _UdsRouter(url, listener, path, inode, hwm=self.hwm, key=key)
 
-    def connect(self, url: str, *, identity: bytes | None = None) -> Endpoint:
+    def connect(
+        self, url: str, *, identity: bytes | None = None, key: bytes | None = None
+    ) -> Endpoint:
         path = _path(url)
         identity = identity if identity is not None else uuid.uuid4().bytes
         if not 0 < len(identity) <= MAX_IDENTITY:
             raise TransportError(
                 f"{url}: an identity is 1 to {MAX_IDENTITY} bytes, got {len(identity)}", url=url
             )
-        return _UdsDealer(url, path, identity, hwm=self.hwm)
+        return _UdsDealer(url, path, identity, hwm=self.hwm, key=key)
 
 
 def _path(url: str) -> str:

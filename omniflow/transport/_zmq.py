@@ -250,7 +250,8 @@ class ZmqTransport(Transport):
             self._pid = os.getpid()
         return self._context
 
-    def bind(self, url: str) -> Endpoint:
+    def bind(self, url: str, *, key: bytes | None = None) -> Endpoint:
+        # (ZMQ connections are not authenticated: every message is sealed instead.)
         address = _zmq_address(url)
         ipc_path = _ipc_path(url)
         if ipc_path is not None and socket_file_in_use(ipc_path):
@@ -266,7 +267,9 @@ class ZmqTransport(Transport):
             raise TransportError(f"{url}: cannot bind: {exc}", url=url) from exc
         return _ZmqEndpoint(actual, socket, bound=True, identity=None, ipc_path=ipc_path)
 
-    def connect(self, url: str, *, identity: bytes | None = None) -> Endpoint:
+    def connect(
+        self, url: str, *, identity: bytes | None = None, key: bytes | None = None
+    ) -> Endpoint:
         address = _zmq_address(url)
         identity = identity if identity is not None else uuid.uuid4().bytes
         socket = self._socket(zmq.DEALER, url)

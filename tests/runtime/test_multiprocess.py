@@ -33,7 +33,7 @@ import omniflow as of
 from omniflow.registry import RedisRegistry
 from omniflow.testing import RedisServer
 from omniflow.transport import VERSION, connect, encode
-from omniflow.transport._auth import Sealer
+from omniflow.transport._auth import for_endpoint
 
 from . import mp_graphs as mp
 
@@ -565,8 +565,9 @@ async def test_fuzzed_messages_never_kill_a_worker() -> None:
             # A client of the worker's own transport (uds:// with the fast path on, ipc://
             # off), on an event loop of this thread's.
             loop = asyncio.new_event_loop()
-            sock = connect(address)
-            sealer = Sealer(os.environ["OMNIFLOW_CLUSTER_KEY"].encode())
+            key = os.environ["OMNIFLOW_CLUSTER_KEY"].encode()
+            sock = connect(address, key=key)  # (uds://: the connection proves the key)
+            sealer = for_endpoint(sock, key)[0]
 
             async def send_one(frames: list[bytes]) -> None:
                 await sock.send(sealer.seal(frames))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -27,7 +28,7 @@ from omniflow.registry import MemoryRegistry, MemoryStore, RedisRegistry, Replic
 from omniflow.serve._metrics import HttpMetrics, render
 from omniflow.testing import RedisServer
 from omniflow.transport import bind, connect, encode
-from omniflow.transport._auth import BULK_BYTES, TAG_BYTES, Opener, Sealer
+from omniflow.transport._auth import BULK_BYTES, TAG_BYTES, Opener, Sealer, for_endpoint
 from omniflow.transport._protocol import (
     Batch,
     Done,
@@ -159,24 +160,47 @@ def the_pid(rt: of.Runtime) -> int:
 # ---------------------------------------------------------------- 1. a worker's socket
 
 
-async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fast_path", ["1", "0"], ids=["uds", "ipc"])
+async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_path: str
+) -> None:
+    """Over ipc:// every message is sealed and checked (the flood is dropped message by
+    message); over uds:// a connection proves the key when it is made, so a peer without it
+    (or with another) is dropped at its handshake before any message of it is read."""
+    monkeypatch.setenv("OMNIFLOW_FAST_PATH", fast_path)
     marker = tmp_path / "pwned"
     async with front(mp.scale, of.Deploy({"r": {}})) as rt:
         assert rt.remote is not None
         [rep] = rt.remote.fleet.replicas.values()
+        assert rep.address.startswith("uds://" if fast_path == "1" else "ipc://")
         pid = the_pid(rt)
         assert (await rt.run("mp_scale", {"x": 1}))["y"] == [1]
+
+        async def keyless(key: bytes | None) -> None:
+            # Someone at the worker's socket without the key: each of its connections is
+            # dropped at the handshake (it reconnects and is dropped again), nothing read.
+            sock = connect(rep.address, key=key)
+            try:
+                for frames in itertools.islice(_attack(marker, [b"x"]), 20):
+                    await sock.send(frames)
+                await eventually(lambda: sock.statistics()["connects"] >= 3, "3 refusals", 60)
+            finally:
+                sock.close()
 
         async def hostile() -> dict[str, int]:
             # A key holder on the worker's own transport (uds:// with the fast path, ipc://
             # without), which is not the worker's front.
-            sock = connect(rep.address)
-            me = Sealer(KEY.encode())
-            opener = Opener(KEY.encode())
+            sock = connect(rep.address, key=KEY.encode())
+            me, opener = for_endpoint(sock, KEY.encode())
             try:
                 replayable = me.seal(encode_msg(StatsRequest(1)))
-                for frames in _attack(marker, replayable):
-                    await sock.send(frames)
+                if sock.authenticated:
+                    await sock.send(replayable)
+                    await keyless(None)
+                    await keyless(WRONG)
+                else:
+                    for frames in _attack(marker, replayable):
+                        await sock.send(frames)
                 # A key holder that is not the worker's front may not stop it.
                 await sock.send(me.seal(encode_msg(Stop())))
 
@@ -210,8 +234,12 @@ async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(tmp_path
 
         wire = await hostile()
         assert not marker.exists()
-        assert wire["dropped_bad_mac"] >= 9000
-        assert wire["dropped_replay"] == 999  # the first copy was a real request
+        if fast_path == "1":  # nothing of the keyless peers was read, so nothing counted
+            assert wire["dropped_bad_mac"] == wire["dropped_replay"] == 0
+            assert wire["dropped_malformed"] == 2  # the two bad items of the batch below
+        else:
+            assert wire["dropped_bad_mac"] >= 9000
+            assert wire["dropped_replay"] == 999  # the first copy was a real request
         assert wire["dropped_foreign"] >= 1  # the stop
         assert alive(pid)
         assert (await rt.run("mp_scale", {"x": 2})) == {"y": [2], "pid": [pid]}

@@ -155,10 +155,12 @@ async def test_register_transport_by_scheme() -> None:
     class Loopback(Transport):
         schemes = ("loop",)
 
-        def bind(self, url: str) -> Endpoint:
+        def bind(self, url: str, *, key: bytes | None = None) -> Endpoint:
             return transport_for("inproc://x").bind("inproc://" + url.removeprefix("loop://"))
 
-        def connect(self, url: str, *, identity: bytes | None = None) -> Endpoint:
+        def connect(
+            self, url: str, *, identity: bytes | None = None, key: bytes | None = None
+        ) -> Endpoint:
             inner = "inproc://" + url.removeprefix("loop://")
             return transport_for("inproc://x").connect(inner, identity=identity)
 
