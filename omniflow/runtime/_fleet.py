@@ -36,7 +36,14 @@ from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle, Subpro
 from omniflow.runtime._placement import ProcessSpec
 from omniflow.runtime._replica import Backoff, Lifecycle, ReplicaEvent, ReplicaState
 from omniflow.transport import EndpointState, connect
-from omniflow.transport._auth import Opener, PlainOpener, PlainSealer, Sealer, WireStats
+from omniflow.transport._auth import (
+    Opener,
+    PlainOpener,
+    PlainSealer,
+    Sealer,
+    WireStats,
+    sealer_for,
+)
 from omniflow.transport._protocol import (
     MAX_BATCH,
     Batch,
@@ -227,10 +234,9 @@ class Fleet:
     async def _connect(self, rep: Replica) -> None:
         loop = asyncio.get_running_loop()
         rep.endpoint = connect(rep.address, key=self.cluster_key)
-        if rep.endpoint.authenticated:  # (uds://: the connection proved the key once)
-            rep.sealer, rep.opener = PlainSealer(), PlainOpener(self.wire)
-        else:
-            rep.sealer = Sealer(self.cluster_key)
+        rep.sealer = sealer_for(rep.endpoint, self.cluster_key)
+        # (Sealed messages go through the fleet's one opener, which also checks replays.)
+        rep.opener = PlainOpener(self.wire) if rep.endpoint.authenticated else None
         if rep.ready is None:
             rep.ready = loop.create_future()
         rep.tasks.append(loop.create_task(self._write(rep)))

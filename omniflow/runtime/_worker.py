@@ -54,8 +54,9 @@ from omniflow.transport._auth import (
     PlainSealer,
     Sealer,
     WireStats,
-    for_endpoint,
+    opener_for,
     resolve_key,
+    sealer_for,
 )
 from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._protocol import (
@@ -312,7 +313,8 @@ class Worker:
                     f.write(str(exc))
             raise
         endpoint = self._endpoint = bind(self.address, key=self._key)
-        self._sealer, self._opener = for_endpoint(endpoint, self._key, self.wire)
+        self._sealer = sealer_for(endpoint, self._key)
+        self._opener = opener_for(endpoint, self._key, self.wire)
         self.plane.shm.source = endpoint.url
         registry = None
         try:
@@ -889,7 +891,7 @@ class Worker:
         link = self._links.get(address)
         if link is None:
             endpoint = connect(address, key=self._key)
-            link = self._links[address] = _Link(endpoint, for_endpoint(endpoint, self._key)[0])
+            link = self._links[address] = _Link(endpoint, sealer_for(endpoint, self._key))
         return link
 
     def _link_send(self, address: str, frames: list[Any]) -> None:

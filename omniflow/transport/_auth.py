@@ -42,8 +42,8 @@ disclosed (the MAC gives integrity, not secrecy; bind tcp:// on private networks
 Authenticated endpoints: a ``uds://`` endpoint opened with the key (``bind``/``connect``
 ``key=``) makes every connection prove the key, both ways, before a message crosses, and no
 one but the two processes at its ends can write its byte stream; its messages travel unsealed
-(``for_endpoint`` gives that endpoint's ``PlainSealer`` / ``PlainOpener``), which saves the
-control plane's hot path a MAC per message at each end.
+(``sealer_for`` / ``opener_for`` give that endpoint's ``PlainSealer`` / ``PlainOpener``),
+which saves the control plane's hot path a MAC per message at each end.
 
 The cluster key is ``OMNIFLOW_CLUSTER_KEY`` (text, at least 16 characters), a key file, or
 ``Runtime(cluster_key=...)``; a runtime with none generates one with ``secrets`` and hands it to
@@ -72,10 +72,11 @@ __all__ = [
     "PlainSealer",
     "Sealer",
     "WireStats",
-    "for_endpoint",
     "generate_key",
     "load_key_file",
+    "opener_for",
     "resolve_key",
+    "sealer_for",
 ]
 
 #: Environment variable holding the cluster key (text).
@@ -348,15 +349,15 @@ class PlainOpener:
         return frames if type(frames) is list else list(frames)
 
 
-def for_endpoint(
-    endpoint: Any, key: bytes, stats: WireStats | None = None
-) -> tuple[Sealer | PlainSealer, Opener | PlainOpener]:
-    """The sealer and opener for what ``endpoint`` sends and receives: plain ones where its
-    connections are authenticated (``Endpoint.authenticated``), else under ``key``."""
-    stats = stats if stats is not None else WireStats()
-    if getattr(endpoint, "authenticated", False):
-        return PlainSealer(), PlainOpener(stats)
-    return Sealer(key), Opener(key, stats)
+def sealer_for(endpoint: Any, key: bytes) -> Sealer | PlainSealer:
+    """The sealer for what ``endpoint`` sends: plain where its connections are authenticated
+    (``Endpoint.authenticated``), else under ``key``."""
+    return PlainSealer() if endpoint.authenticated else Sealer(key)
+
+
+def opener_for(endpoint: Any, key: bytes, stats: WireStats) -> Opener | PlainOpener:
+    """The opener for what ``endpoint`` receives, counted in ``stats`` (as ``sealer_for``)."""
+    return PlainOpener(stats) if endpoint.authenticated else Opener(key, stats)
 
 
 class Opener:

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from omniflow.transport._auth import PlainSealer, Sealer
+from omniflow.transport._auth import PlainSealer, Sealer, sealer_for
 from omniflow.transport._base import Endpoint, connect
 
 __all__ = ["Dealers"]
@@ -57,9 +57,7 @@ class Dealers:
             self._readers.append(asyncio.get_running_loop().create_task(self._read(address, ep)))
         sealer = self._sealers.get(address)
         if sealer is None:
-            sealer = self._sealers[address] = (
-                PlainSealer() if ep.authenticated else Sealer(self._key)
-            )
+            sealer = self._sealers[address] = sealer_for(ep, self._key)
         return ep, sealer
 
     def rekey(self, key: bytes) -> None:

@@ -33,7 +33,7 @@ import omniflow as of
 from omniflow.registry import RedisRegistry
 from omniflow.testing import RedisServer
 from omniflow.transport import VERSION, connect, encode
-from omniflow.transport._auth import for_endpoint
+from omniflow.transport._auth import sealer_for
 
 from . import mp_graphs as mp
 
@@ -567,7 +567,7 @@ async def test_fuzzed_messages_never_kill_a_worker() -> None:
             loop = asyncio.new_event_loop()
             key = os.environ["OMNIFLOW_CLUSTER_KEY"].encode()
             sock = connect(address, key=key)  # (uds://: the connection proves the key)
-            sealer = for_endpoint(sock, key)[0]
+            sealer = sealer_for(sock, key)
 
             async def send_one(frames: list[bytes]) -> None:
                 await sock.send(sealer.seal(frames))

@@ -28,7 +28,15 @@ from omniflow.registry import MemoryRegistry, MemoryStore, RedisRegistry, Replic
 from omniflow.serve._metrics import HttpMetrics, render
 from omniflow.testing import RedisServer
 from omniflow.transport import bind, connect, encode
-from omniflow.transport._auth import BULK_BYTES, TAG_BYTES, Opener, Sealer, for_endpoint
+from omniflow.transport._auth import (
+    BULK_BYTES,
+    TAG_BYTES,
+    Opener,
+    Sealer,
+    WireStats,
+    opener_for,
+    sealer_for,
+)
 from omniflow.transport._protocol import (
     Batch,
     Done,
@@ -191,7 +199,8 @@ async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(
             # A key holder on the worker's own transport (uds:// with the fast path, ipc://
             # without), which is not the worker's front.
             sock = connect(rep.address, key=KEY.encode())
-            me, opener = for_endpoint(sock, KEY.encode())
+            me = sealer_for(sock, KEY.encode())
+            opener = opener_for(sock, KEY.encode(), WireStats())
             try:
                 replayable = me.seal(encode_msg(StatsRequest(1)))
                 if sock.authenticated:
