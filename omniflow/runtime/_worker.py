@@ -896,7 +896,12 @@ class Worker:
 
     def _link_send(self, address: str, frames: list[Any]) -> None:
         """Send a batch of forwards down its link, in order behind what waits there; a link
-        that fails is logged by its writer (its worker is lost: the front fails what it held)."""
+        that fails is logged by its writer (its worker is lost: the front fails what it held).
+        Forwards held for a worker a front has since said is lost (``SourceLost`` handled in
+        the same batch) are dropped, not sent down a new link: the front orphans them, and a
+        link to a dead address would hold them for good."""
+        if address in self._gone:
+            return
         link = self._link(address)
         if link.writer is None and not link.out:
             with contextlib.suppress(TransportError, RuntimeClosedError):

@@ -11,13 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniflow.runtime._forward import Route
-from omniflow.runtime._worker import Worker, _Fw, _FwdBatch
+from omniflow.runtime._worker import Worker, _Fw, _FwdBatch, _Link
+from omniflow.transport._auth import PlainSealer
 from omniflow.transport._protocol import (
     MAX_BATCH,
     Batch,
     Forward,
     Forwards,
     Run,
+    SourceLost,
     decode_inner,
     decode_msg,
 )
@@ -226,5 +228,44 @@ def test_a_record_whose_start_fails_stops_none_of_the_others() -> None:
         w._handle(B, forwards())
         assert [run.a for _, run in started] == ["1.1.0"]
         assert w.wire.snapshot()["dropped_malformed"] == 1
+    finally:
+        w.plane.close()
+
+
+def test_forwards_held_for_a_worker_lost_in_the_same_batch_are_dropped_not_linked() -> None:
+    """A batch that forwards to a worker and then says it is lost (``SourceLost``): at the
+    flush nothing goes to the lost address, and no link to it is made again (one would hold
+    what it queued for good; the front orphans those runs), while the other link still gets
+    its forward."""
+    w = worker()
+    linked: list[str] = []
+    sent: list[str] = []
+
+    class FakeEndpoint:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+        def try_send(self, frames: list[Any]) -> bool:
+            sent.append(self.address)
+            return True
+
+        def close(self) -> None:
+            pass
+
+    def link(address: str) -> _Link:
+        linked.append(address)
+        return w._links.setdefault(address, _Link(FakeEndpoint(address), PlainSealer()))
+
+    w._link = link  # type: ignore[method-assign]
+    try:
+        w._reading = True
+        running(w, A, 1, (ROUTE1, ROUTE2))
+        w._done(A, "c", 1, None, {"y": 5})
+        w._handle(A, SourceLost(ADDR1, 4242))
+        w._reading = False
+        w._flush_held()
+        assert sent == [ADDR2]
+        assert ADDR1 not in w._links and ADDR1 in w._gone
+        assert linked.count(ADDR1) == 1  # (made at the forward, dropped by SourceLost)
     finally:
         w.plane.close()
