@@ -17,8 +17,10 @@
    in-process figure for scale. Then a cProfile of the front process for one stream.
 3. **chain**: a 3-node chain (``x -> c1 -> c2 -> c3 -> y``), each role in its own worker, one
    call at a time, over ``uds://`` and (a second runtime) pyzmq ``ipc://``, against a Ray
-   Compiled Graph of 3 actors doing the same in the same run (when ``ray`` is installed); then
-   the idle CPU of each side (front/driver + 3 processes) over ``--idle`` seconds (default 10).
+   Compiled Graph of 3 actors doing the same in the same run (when ``ray`` is installed), and
+   against the floor: the same six messages between 3 bare Python processes (``BareChain``:
+   socket pairs, msgpack, an event loop; no framework); then the idle CPU of each side
+   (front/driver + 3 processes) over ``--idle`` seconds (default 10).
 4. **replicas**: a CPU-bound role (a pure-Python loop of ~5 ms) with
    ``Deploy({"cpu": {"replicas": n}})``, n = 1, 2, 4, 200 concurrent calls: calls/s.
 
@@ -36,6 +38,7 @@ import io
 import os
 import platform
 import pstats
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -348,7 +352,7 @@ async def bench_chain(
     here), which would otherwise slow down whatever runs beside it. Then each side's idle CPU
     (front/driver + its 3 processes) over ``idle`` s."""
     g = graphs["bm_chain3"]
-    res: dict[str, Any] = {"omniflow": [], "omniflow_ipc": [], "ray_cg": []}
+    res: dict[str, Any] = {"omniflow": [], "omniflow_ipc": [], "ray_cg": [], "bare": []}
     actors: list[Any] = []
     ray = None
     if with_ray:
@@ -381,15 +385,18 @@ async def bench_chain(
                 compiled.teardown()
         return out
 
+    bare = BareChain()
     try:
         async with in_workers(g, fast_path=False) as rt_ipc, in_workers(g, True) as rt:
             assert rt.remote is not None
             for i in range(300):
                 assert (await rt.run("bm_chain3", {"x": i}))["y"] == [i + 3]
                 assert (await rt_ipc.run("bm_chain3", {"x": i}))["y"] == [i + 3]
+            await bare.round(300)
             for _ in range(rounds):
                 res["omniflow"] += await calls(rt, "bm_chain3", {"x": 1}, per_round)
                 res["omniflow_ipc"] += await calls(rt_ipc, "bm_chain3", {"x": 1}, per_round)
+                res["bare"] += await bare.round(per_round)
                 if ray is not None:
                     res["ray_cg"] += compiled_block(per_round, keep=False)
             pids = [r.pid for r in rt.remote.fleet.replicas.values() if r.pid]
@@ -403,11 +410,106 @@ async def bench_chain(
             finally:
                 res.pop("_compiled").teardown()
     finally:
+        bare.close()
         if ray is not None:
             for a in actors:
                 ray.kill(a)
             ray.shutdown()
     return res
+
+
+STAGE = """
+import asyncio, os, socket, sys
+import msgpack
+try:
+    import uvloop
+except ImportError:
+    uvloop = None
+rx, tx, dn = (socket.socket(fileno=int(fd)) if fd != "-" else None for fd in sys.argv[1:4])
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    rx.setblocking(False)
+    eof = loop.create_future()
+
+    def readable() -> None:
+        try:
+            data = rx.recv(65536)
+        except BlockingIOError:
+            return
+        if not data:
+            loop.remove_reader(rx.fileno())
+            eof.set_result(None)
+            return
+        msg = msgpack.unpackb(data)
+        msg[2] += 1
+        tx.send(msgpack.packb(msg))  # the next stage (or the caller)
+        if dn is not None:  # and a done to the caller, after the forward, as omniflow's workers
+            dn.send(msgpack.packb(["done", msg[1], msg[2], [[0, msg[1]]]]))
+
+    loop.add_reader(rx.fileno(), readable)
+    await eof
+
+(uvloop.run if uvloop is not None else asyncio.run)(main())
+"""
+
+
+class BareChain:
+    """The floor under omniflow's chain: the same four hops and two accounting messages
+    (caller -> s1 -> s2 -> s3 -> caller; s1 and s2 also send a done to the caller), between
+    3 bare Python processes on Unix socket pairs, each hop a msgpack decode and encode on an
+    event loop (uvloop when installed, as omniflow's workers); the caller waits on its own
+    asyncio loop. No framework: what Python and the kernel cost here."""
+
+    def __init__(self) -> None:
+        pair = socket.socketpair
+        hops = [pair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(4)]
+        dones = [pair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+        self.procs = []
+        for i in range(3):
+            fds = [hops[i][1].fileno(), hops[i + 1][0].fileno()]
+            fds += [dones[i][0].fileno()] if i < 2 else []
+            args = [str(fd) for fd in fds] + ["-"] * (3 - len(fds))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", STAGE, *args], pass_fds=fds))
+        self.tx, self.rx = hops[0][0], hops[3][1]
+        self.dones = [d[1] for d in dones]
+        for s in [hops[0][1], hops[3][0], *hops[1], *hops[2], *(d[0] for d in dones)]:
+            s.close()  # (the stages hold their ends)
+        self.readers = [self.rx, *self.dones]
+        for s in self.readers:
+            s.setblocking(False)
+
+    async def round(self, n: int) -> list[float]:
+        loop = asyncio.get_running_loop()
+        state: dict[str, Any] = {}
+
+        def readable(sock: socket.socket) -> None:
+            msgpack.unpackb(sock.recv(65536))
+            state["left"] -= 1
+            if state["left"] == 0:
+                state["fut"].set_result(None)
+
+        for s in self.readers:
+            loop.add_reader(s.fileno(), readable, s)
+        out = []
+        try:
+            for i in range(n):
+                t0 = time.perf_counter()
+                state["left"], state["fut"] = 3, loop.create_future()
+                self.tx.send(msgpack.packb(["run", "c1", i, {"routes": [[0, "c2"], [0, "c3"]]}]))
+                await state["fut"]
+                out.append(time.perf_counter() - t0)
+        finally:
+            for s in self.readers:
+                loop.remove_reader(s.fileno())
+        return out
+
+    def close(self) -> None:
+        self.tx.close()  # EOF down the chain: each stage exits
+        for p in self.procs:
+            p.wait(10)
+        for s in self.readers:
+            s.close()
 
 
 async def report_chain(graphs: dict[str, of.Graph], rounds: int, per_round: int,
@@ -428,6 +530,9 @@ async def report_chain(graphs: dict[str, of.Graph], rounds: int, per_round: int,
     z = res["omniflow_ipc"]
     print(f"| omniflow, 3 workers, ipc:// (`OMNIFLOW_FAST_PATH=0`) | {us(pct(z, 0.5))} | "
           f"{us(pct(z, 0.99))} | |")  # fmt: skip
+    b = res["bare"]
+    print(f"| floor: 3 bare Python processes, socket pairs, msgpack (`BareChain`) | "
+          f"{us(pct(b, 0.5))} | {us(pct(b, 0.99))} | |")  # fmt: skip
     if res["ray_cg"]:
         r = res["ray_cg"]
         print(f"| Ray Compiled Graph, 3 actors | {us(pct(r, 0.5))} | {us(pct(r, 0.99))} | "
@@ -437,6 +542,8 @@ async def report_chain(graphs: dict[str, of.Graph], rounds: int, per_round: int,
               f"{'met' if ratio <= 1.0 else 'NOT met'})")  # fmt: skip
     else:
         print("\n(ray is not installed: no compiled-graph baseline)")
+    print(f"omniflow's own share of a call (p50 - the floor's p50): "
+          f"{us(pct(o, 0.5) - pct(b, 0.5))} µs")  # fmt: skip
     print(f"omniflow idle CPU with 3 workers over {idle:g} s: {res['idle_omniflow']:.1f}% "
           f"(target ≤ 2%: {'met' if res['idle_omniflow'] <= 2 else 'NOT met'})")  # fmt: skip
 

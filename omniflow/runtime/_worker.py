@@ -240,6 +240,9 @@ class Worker:
         #: link address, and leaves as few messages as possible when the batch is handled
         #: (consecutive good ends to one peer gather in a ``_DoneBatch``: one ``Dones``).
         self._reading = False
+        #: Handling a batch of one run (a chain's hop): nothing to gather, so its forwards
+        #: and its end leave as they are made, forwards first (``_take``).
+        self._direct = False
         self._held: dict[bytes | None, list[list[Any] | _DoneBatch]] = {}
         #: (consecutive forwards to one link that differ only in id, value and SeqId index
         #: gather in a ``_FwdBatch``: one ``Forwards``).
@@ -451,7 +454,10 @@ class Worker:
                 self._take(batch[i : i + MAX_DELIVERY])
 
     def _take(self, batch: list[Packet]) -> None:
-        """Handle received messages; what they make leaves once all are handled, batched."""
+        """Handle received messages; what they make leaves once all are handled, batched.
+        A batch of one ``Run`` or ``Forward`` (each hop of a chain) has nothing to batch
+        with: what it makes leaves as it is made (``_direct``), in the same order (forwards,
+        then the messages to fronts) and as the same messages as from the flush."""
         self._reading = True
         try:
             for peer, frames in batch:
@@ -464,6 +470,14 @@ class Worker:
                     if type(msg) is Batch:
                         for m in msg.ms:
                             self._handle_one(peer, decode_inner, m)
+                    elif (
+                        (type(msg) is Run or type(msg) is Forward)
+                        and len(batch) == 1
+                        and not self._held
+                        and not self._held_links  # (a generator's, due at this turn's end)
+                    ):
+                        self._reading, self._direct = False, True
+                        self._handle(peer, msg)
                     else:
                         self._handle(peer, msg)
                 except ProtocolError as exc:
@@ -471,7 +485,7 @@ class Worker:
                 except Exception as exc:  # a bad message never kills the worker
                     self._dropped("malformed", exc)
         finally:
-            self._reading = False
+            self._reading = self._direct = False
             self._flush_held()
 
     def _handle_one(self, peer: bytes | None, decode: Callable[[Any], Message], m: Any) -> None:
@@ -539,7 +553,7 @@ class Worker:
                 self._forwards(msg)
             case Forward(ft=ft, rid=rid):
                 if self._for_here(ft, rid):
-                    self._start(self._front_peers[ft], _checked(Run._make(msg[2:])))
+                    self._start(self._front_peers[ft], _checked(_new(Run, msg[2:])))
             case Cancel(c=c, a=a):
                 task = self._running.get((peer, c, a))
                 if task is not None:
@@ -856,15 +870,8 @@ class Worker:
             q = k if route.qk else fw.q
             try:
                 self._link(route.address)  # (a link that cannot be made: not forwarded)
-                # Held until the received batch is handled, or to the end of this loop turn
-                # (a generator's frames of one turn leave together, as its frames to the front).
-                held = self._held_links
-                if not held and not self._reading:
-                    asyncio.get_running_loop().call_soon(self._flush_held)
-                items = held.get(route.address)
-                if items is None:
-                    items = held[route.address] = []
-                if scalar:  # with the forwards before it that share all but id, value, q
+                if scalar and not self._direct:  # with the alike forwards held before it
+                    items = self._held_for(route.address)
                     last = items[-1] if items else None
                     if isinstance(last, _FwdBatch) and last.takes(fw, route):
                         last.as_.append(wid)
@@ -872,11 +879,15 @@ class Worker:
                         last.qs.append(q)
                     else:
                         items.append(_FwdBatch(fw, route, wid, value, q))
-                else:
-                    items.append(encode_fields(
+                else:  # encoded now: what the value is now (or a batch of one's run: it goes)
+                    envelope = encode_fields(
                         Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
                         route.group, q, fw.gr, route.off, route.th, route.conn, route.sub,
-                    ))  # fmt: skip
+                    )  # fmt: skip
+                    if self._direct:
+                        self._link_send(route.address, envelope)
+                    else:
+                        self._held_for(route.address).append(envelope)
             except Exception as exc:  # not forwarded: the front runs it the slow way
                 logger.debug("worker %s: forward to %s failed: %s", self.replica_id,
                              route.address, exc)  # fmt: skip
@@ -885,6 +896,18 @@ class Worker:
                 x = []
             x.append([r, wid])
         return x
+
+    def _held_for(self, address: str) -> list[list[Any] | _FwdBatch]:
+        """The forwards held for ``address``: until the received batch is handled, or to the
+        end of this loop turn (a generator's frames of one turn leave together, as its frames
+        to the front)."""
+        held = self._held_links
+        if not held and not self._reading:
+            asyncio.get_running_loop().call_soon(self._flush_held)
+        items = held.get(address)
+        if items is None:
+            items = held[address] = []
+        return items
 
     def _link(self, address: str) -> _Link:
         """The connection to the worker at ``address`` (made on first use)."""

@@ -12,16 +12,19 @@ from hypothesis import strategies as st
 
 from omniflow.runtime._forward import Route
 from omniflow.runtime._worker import Worker, _Fw, _FwdBatch, _Link
-from omniflow.transport._auth import PlainSealer
+from omniflow.transport._auth import PlainOpener, PlainSealer
+from omniflow.transport._base import Packet
 from omniflow.transport._protocol import (
     MAX_BATCH,
     Batch,
+    Done,
     Forward,
     Forwards,
     Run,
     SourceLost,
     decode_inner,
     decode_msg,
+    encode_msg,
 )
 
 from .test_worker_dones import A, B, worker
@@ -269,3 +272,138 @@ def test_forwards_held_for_a_worker_lost_in_the_same_batch_are_dropped_not_linke
         assert linked.count(ADDR1) == 1  # (made at the forward, dropped by SourceLost)
     finally:
         w.plane.close()
+
+
+# ------------------------------------------------------------------- a batch of one run
+
+
+def hop_worker(returns: Any) -> tuple[Worker, list[tuple[str, Any]]]:
+    """A worker hosting node ``n0`` (a coroutine returning ``returns(x)``) whose links are
+    fakes and whose front messages are recorded: (``"link:" + address`` or ``"front"``,
+    message), batches unpacked, in the order they were sent."""
+    w = worker()
+    w.replica_id = "r-0"
+    w._opener = PlainOpener(w.wire)  # (the messages below are not sealed)
+    events: list[tuple[str, Any]] = []
+
+    async def n0(x: Any) -> Any:
+        return returns(x)
+
+    w._methods["n0"] = n0
+
+    def link_send(address: str, frames: list[Any]) -> None:
+        msg = decode_msg(frames)
+        inner = [decode_inner(m) for m in msg.ms] if type(msg) is Batch else [msg]
+        events.extend(("link:" + address, m) for m in inner)
+
+    class FrontEndpoint:
+        def try_send(self, frames: list[Any], peer: bytes | None = None) -> bool:
+            msg = decode_msg(frames)
+            inner = [decode_inner(m) for m in msg.ms] if type(msg) is Batch else [msg]
+            events.extend(("front", m) for m in inner)
+            return True
+
+    w._endpoint = FrontEndpoint()
+    w._sealer = PlainSealer()
+    w._link = lambda address: None  # type: ignore[method-assign,assignment,return-value]
+    w._link_send = link_send  # type: ignore[method-assign]
+    return w, events
+
+
+def a_run(a: int, x: Any, routes: tuple[Route, ...], forwarded: bool) -> Run | Forward:
+    raw = [r.wire() for r in routes] or None
+    if forwarded:
+        return Forward("token-a", "r-0", "c", f"{a}.0.0", "n0", {"x": x}, None, 0, a, "g",
+                       None, None, None, raw)  # fmt: skip
+    return Run("c", a, "n0", {"x": x}, None, 0, a, "g", None, None, None, raw)
+
+
+def test_a_batch_of_one_run_sends_its_forward_then_its_done_at_once() -> None:
+    modes: list[tuple[bool, bool]] = []
+    w, events = hop_worker(lambda x: modes.append((w._reading, w._direct)) or {"y": x + 1})
+    try:
+        w._take([Packet(A, encode_msg(a_run(1, 41, (ROUTE1,), False)))])
+        assert modes == [(False, True)]  # (what it makes is not held for a flush)
+        assert events == [
+            ("link:" + ADDR1, Forward("token-a", "m1-0", "c", "1.0.0", "m1", {"y": 42}, None,
+                                      0, 1, "g")),
+            ("front", Done("c", 1, {"y": 42}, x=[[0, "1.0.0"]])),
+        ]  # fmt: skip
+        assert not w._held and not w._held_links and not w._fw and not w._direct
+    finally:
+        w.plane.close()
+
+
+def test_runs_of_a_bigger_batch_still_leave_gathered() -> None:
+    modes: list[tuple[bool, bool]] = []
+    w, events = hop_worker(lambda x: modes.append((w._reading, w._direct)) or {"y": x + 1})
+    try:
+        w._take([Packet(A, encode_msg(a_run(i, i, (ROUTE1,), False))) for i in range(3)])
+        assert modes == [(True, False)] * 3
+        assert [type(m).__name__ for _, m in events] == ["Forwards", "Dones"]
+    finally:
+        w.plane.close()
+
+
+async def test_a_run_while_forwards_wait_for_the_turns_end_goes_behind_them() -> None:
+    """A generator's forwards held to the end of the loop turn leave before those of a run
+    that arrives alone in that turn (the batch of one is then handled the held way)."""
+    w, events = hop_worker(lambda x: {"y": x + 1})
+    try:
+        running(w, A, 9, (ROUTE1,), "d")
+        w._done(A, "d", 9, None, {"y": 0})  # (not reading: held to the end of the turn)
+        assert w._held_links
+        w._take([Packet(A, encode_msg(a_run(1, 41, (ROUTE1,), False)))])
+        assert [(where, type(m).__name__, m.c) for where, m in events] == [
+            ("link:" + ADDR1, "Forward", "d"), ("link:" + ADDR1, "Forward", "c"),
+            ("front", "Done", "d"), ("front", "Done", "c"),
+        ]  # fmt: skip
+    finally:
+        w.plane.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    value=st.one_of(st.integers(), st.text(max_size=3), st.none(), st.lists(st.integers())),
+    shape=st.sampled_from(["frame", "no-y", "none", "not-a-dict", "raises", "unsendable"]),
+    routes=st.sampled_from([(), (ROUTE1,), (ROUTE1, ROUTE2)]),
+    forwarded=st.booleans(),
+)
+def test_a_batch_of_one_sends_what_the_held_way_sends(
+    value: Any, shape: str, routes: tuple[Route, ...], forwarded: bool
+) -> None:
+    """Whatever one run makes (a frame, one without the routed field, none, a bad return, a
+    failure, a value the wire cannot carry; with no, one or two routes; from a front or
+    forwarded), sent at once it is the same messages, in the same order, as held and
+    flushed."""
+
+    def returns(x: Any) -> Any:
+        if shape == "raises":
+            raise ValueError("boom")
+        return {
+            "frame": {"y": x}, "no-y": {"z": x}, "none": None, "not-a-dict": [x],
+            "unsendable": {"y": "\ud800"},
+        }[shape]  # fmt: skip
+
+    run = a_run(3, value, routes, forwarded)
+    direct, direct_events = hop_worker(returns)
+    held, held_events = hop_worker(returns)
+    try:
+        direct._take([Packet(B, encode_msg(run))])
+        held._reading = True
+        held._handle(B, run)
+        held._reading = False
+        held._flush_held()
+
+        def comparable(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+            # (a failure's traceback differs in its frames' lines: compare what it says)
+            return [(where, m._replace(tb=bool(m.tb)) if type(m) is Done else m)
+                    for where, m in events]  # fmt: skip
+
+        assert comparable(direct_events) == comparable(held_events)
+        assert direct_events  # (every run ends: at least its done)
+        for w in (direct, held):
+            assert not w._held and not w._held_links and not w._fw and not w._offload
+    finally:
+        direct.plane.close()
+        held.plane.close()
