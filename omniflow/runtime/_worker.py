@@ -470,15 +470,14 @@ class Worker:
                     if type(msg) is Batch:
                         for m in msg.ms:
                             self._handle_one(peer, decode_inner, m)
-                    elif (
-                        (type(msg) is Run or type(msg) is Forward)
-                        and len(batch) == 1
-                        and not self._held
-                        and not self._held_links  # (a generator's, due at this turn's end)
-                    ):
-                        self._reading, self._direct = False, True
-                        self._handle(peer, msg)
                     else:
+                        if (
+                            (type(msg) is Run or type(msg) is Forward)
+                            and len(batch) == 1
+                            and not self._held
+                            and not self._held_links  # (a generator's, due at turn's end)
+                        ):
+                            self._reading, self._direct = False, True
                         self._handle(peer, msg)
                 except ProtocolError as exc:
                     self._dropped(exc.reason, exc)

@@ -34,16 +34,21 @@ ROUTE1 = Route("y", "m1", 0, ADDR1, "m1-0", None, None, None, False, None)
 ROUTE2 = Route("y", "m2", 0, ADDR2, "m2-0", ["y"], 1000, {"n": "shm"}, True, [["sub"]])
 
 
-def forwarding(w: Worker) -> list[tuple[str, Any]]:
-    """Make ``w``'s links fakes; the (address, message) it sends down them, in order."""
-    out: list[tuple[str, Any]] = []
+def unbatched(frames: list[Any]) -> list[Any]:
+    """The messages ``frames`` carries (a ``Batch`` unpacked)."""
+    msg = decode_msg(frames)
+    return [decode_inner(m) for m in msg.ms] if type(msg) is Batch else [msg]
+
+
+def forwarding(
+    w: Worker, out: list[tuple[str, Any]] | None = None, tag: str = ""
+) -> list[tuple[str, Any]]:
+    """Make ``w``'s links fakes; the (``tag`` + address, message) it sends down them, in
+    order (appended to ``out`` if given)."""
+    out = [] if out is None else out
 
     def link_send(address: str, frames: list[Any]) -> None:
-        msg = decode_msg(frames)
-        if type(msg) is Batch:
-            out.extend((address, decode_inner(m)) for m in msg.ms)
-        else:
-            out.append((address, msg))
+        out.extend((tag + address, m) for m in unbatched(frames))
 
     w._link = lambda address: None  # type: ignore[method-assign,assignment,return-value]
     w._link_send = link_send  # type: ignore[method-assign]
@@ -291,22 +296,14 @@ def hop_worker(returns: Any) -> tuple[Worker, list[tuple[str, Any]]]:
 
     w._methods["n0"] = n0
 
-    def link_send(address: str, frames: list[Any]) -> None:
-        msg = decode_msg(frames)
-        inner = [decode_inner(m) for m in msg.ms] if type(msg) is Batch else [msg]
-        events.extend(("link:" + address, m) for m in inner)
-
     class FrontEndpoint:
         def try_send(self, frames: list[Any], peer: bytes | None = None) -> bool:
-            msg = decode_msg(frames)
-            inner = [decode_inner(m) for m in msg.ms] if type(msg) is Batch else [msg]
-            events.extend(("front", m) for m in inner)
+            events.extend(("front", m) for m in unbatched(frames))
             return True
 
     w._endpoint = FrontEndpoint()
     w._sealer = PlainSealer()
-    w._link = lambda address: None  # type: ignore[method-assign,assignment,return-value]
-    w._link_send = link_send  # type: ignore[method-assign]
+    forwarding(w, events, "link:")
     return w, events
 
 
