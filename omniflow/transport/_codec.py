@@ -355,25 +355,38 @@ def _bigint(n: int) -> Any:
 # --------------------------------------------------------------------------------- decoding
 
 
+def unpack_small(frames: Sequence[Any], allow_pickle: bool = False) -> tuple[str, Any] | None:
+    """(kind, body) of a one-frame message with no out-of-band buffers (a small control
+    message as received), or None for any other shape (``decode_message`` takes those).
+    Bytes msgpack cannot unpack raise what it raises: the caller, like ``decode_message``,
+    treats any exception as a malformed message. The hot path's decoding, without a
+    ``Message``."""
+    if len(frames) != 1:
+        return None
+    first = frames[0]
+    if (type(first) is not bytes and type(first) is not memoryview) or first[:3] != _PREFIX:
+        return None
+    unpacked = msgpack.unpackb(
+        first[3:],
+        ext_hook=_NO_OOB_PICKLE if allow_pickle else _NO_OOB,
+        raw=False,
+        strict_map_key=False,
+    )
+    if (
+        type(unpacked) is list
+        and len(unpacked) == 3
+        and type(unpacked[0]) is str
+        and unpacked[1] == 0
+        and type(unpacked[1]) is int
+    ):
+        return unpacked[0], unpacked[2]
+    return None
+
+
 def _decode(frames: Sequence[Any], allow_pickle: bool = False, owned: bool = False) -> Message:
-    first = frames[0] if len(frames) == 1 else None
-    if (type(first) is bytes or type(first) is memoryview) and first[:3] == _PREFIX:
-        # Fast path: a one-frame message (a small control message as received) unpacks
-        # directly; anything odd falls through to the checks below.
-        unpacked = msgpack.unpackb(
-            first[3:],
-            ext_hook=_NO_OOB_PICKLE if allow_pickle else _NO_OOB,
-            raw=False,
-            strict_map_key=False,
-        )
-        if (
-            type(unpacked) is list
-            and len(unpacked) == 3
-            and type(unpacked[0]) is str
-            and unpacked[1] == 0
-            and type(unpacked[1]) is int
-        ):
-            return Message(unpacked[0], unpacked[2])
+    small = unpack_small(frames, allow_pickle)
+    if small is not None:
+        return Message(*small)
     if len(frames) == 0:
         raise CodecError("empty message: no header frame")
     header = _frame_view(frames[0])

@@ -59,7 +59,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from omniflow._exceptions import TransportError
-from omniflow.transport._codec import Buffer, decode_message, encode
+from omniflow.transport._codec import Buffer, decode_message, encode, unpack_small
 
 __all__ = [
     "MAX_BATCH",
@@ -389,6 +389,9 @@ _CHECKS: dict[str, tuple[Any, int, int, tuple[tuple[int, tuple[type, ...]], ...]
     for kind, (cls, types) in MESSAGES.items()
 }
 _KIND: dict[type, str] = {cls: kind for cls, (kind, _types) in _SPEC.items()}
+#: kind -> the shapes (exact field types, in order) its checks passed; at most _GOOD_SHAPES.
+_GOOD: dict[str, set[tuple[type, ...]]] = {kind: set() for kind in _CHECKS}
+_GOOD_SHAPES = 64
 
 
 def kind_of(msg: Message) -> str:
@@ -414,10 +417,13 @@ def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
     Big values come back as owned, writable copies (``owned=True``, what a method must get);
     ``owned=False`` leaves them views of the frames, for a receiver that copies them itself."""
     try:
-        kind, body = decode_message(frames, allow_pickle=True, owned=owned)
+        small = unpack_small(frames, allow_pickle=True)
+        kind, body = (
+            small if small is not None else decode_message(frames, allow_pickle=True, owned=owned)
+        )
     except TransportError as exc:
         raise ProtocolError(str(exc), "malformed") from None
-    except Exception as exc:  # an authenticated pickle that fails to load
+    except Exception as exc:  # bytes msgpack cannot unpack; an authenticated pickle that fails
         raise ProtocolError(
             f"malformed message: {type(exc).__name__}: {exc}", "malformed"
         ) from None
@@ -431,15 +437,22 @@ def decode_msg(frames: list[Any], *, owned: bool = True) -> Message:
             f"{most} are expected",
             "malformed",
         )
-    n = len(body)
-    for i, allowed in fields:
-        # Exact types: what msgpack decodes is never a subclass, and a bool is not an int.
-        if i < n and type(body[i]) not in allowed:
-            raise ProtocolError(
-                f"malformed {kind}: {cls._fields[i]!r} is a {type(body[i]).__name__}, "
-                f"expected {' or '.join(t.__name__ for t in allowed)}",
-                "malformed",
-            )
+    # The exact types of the fields, in order: a hot path repeats a few shapes, so after the
+    # first of each shape its check is one set lookup (a bounded set per kind).
+    shape = tuple(map(type, body))
+    good = _GOOD[kind]
+    if shape not in good:
+        n = len(body)
+        for i, allowed in fields:
+            # Exact types: what msgpack decodes is never a subclass, and a bool is not an int.
+            if i < n and shape[i] not in allowed:
+                raise ProtocolError(
+                    f"malformed {kind}: {cls._fields[i]!r} is a {shape[i].__name__}, "
+                    f"expected {' or '.join(t.__name__ for t in allowed)}",
+                    "malformed",
+                )
+        if len(good) < _GOOD_SHAPES:
+            good.add(shape)
     msg: Message = cls(*body)
     return msg
 
