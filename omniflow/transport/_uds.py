@@ -79,8 +79,10 @@ from omniflow.transport._base import (
 )
 from omniflow.transport._codec import Buffer
 from omniflow.transport._udswire import (
+    _ONE,
     EOF,
     HANDSHAKE,
+    MAX_FRAME_BYTES,
     MSG_NOSIGNAL,
     Conn,
     Handshake,
@@ -92,6 +94,9 @@ from omniflow.transport._udswire import (
 __all__ = ["UdsTransport"]
 
 logger = logging.getLogger("omniflow.transport")
+
+#: ``Packet(peer, frames)`` without the NamedTuple's Python-level constructor.
+_new = tuple.__new__
 
 #: Longest identity (ZMQ's routing-id limit).
 MAX_IDENTITY: Final = 255
@@ -171,11 +176,26 @@ class _UdsEndpoint(Endpoint):
     def _on_readable(self, conn: Conn) -> None:
         messages, broken = conn.read()
         if messages:
-            self._arrived(conn, messages)
-            if self._receiver is None:
-                self._in.wake()
-            elif not self._delivering:
-                self._deliver()
+            receiver = self._receiver
+            if (
+                receiver is not None
+                and not self._delivering
+                and not self._in.packets
+                and len(messages) <= MAX_DELIVERY
+            ):
+                # What ``_arrived`` + ``_deliver`` do when nothing waits before these: straight
+                # to the receiver, one call (None: the connection is in its handshake).
+                batch = self._packets(conn, messages)
+                if batch is not None:
+                    self._delivered(batch)
+                    receiver(batch)
+                    messages = []
+            if messages:
+                self._arrived(conn, messages)
+                if self._receiver is None:
+                    self._in.wake()
+                elif not self._delivering:
+                    self._deliver()
         if broken is not None and not conn.closed and self.state is EndpointState.OPEN:
             self._lost(conn, broken)
 
@@ -209,6 +229,33 @@ class _UdsEndpoint(Endpoint):
     @abstractmethod
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
         """``messages`` came in on ``conn``: put them in the inbox (after the handshake)."""
+
+    @abstractmethod
+    def _packets(self, conn: Conn, messages: list[list[Buffer]]) -> list[Packet] | None:
+        """``messages`` of ``conn`` as packets, as ``_arrived`` would put them in the inbox;
+        None while the connection is in its handshake (then ``_arrived`` takes them)."""
+
+    def try_send(self, frames: Sequence[Buffer], *, peer: bytes | None = None) -> bool:
+        """``Endpoint.try_send``; the common case (one frame, on a connection that is ready
+        with nothing queued, from the loop the endpoint is attached to) in one step."""
+        if len(frames) == 1 and self.state is EndpointState.OPEN:
+            conn = self._ready_conn(peer)
+            if conn is not None and asyncio._get_running_loop() is self._loop:
+                outbox = conn.outbox
+                if not conn.writing and not outbox.queue and not outbox.blocked:
+                    frame = frames[0]
+                    size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+                    if size <= MAX_FRAME_BYTES:
+                        self._push(conn, outbox, ([_ONE.pack(1, size), frame], 12 + size))
+                        self._sent += 1
+                        self._sent_bytes += size
+                        return True
+        return super().try_send(frames, peer=peer)
+
+    @abstractmethod
+    def _ready_conn(self, peer: bytes | None) -> Conn | None:
+        """The connection a message to ``peer`` goes out on if it is ready to write to now
+        (past its handshake), else None (``try_send`` then takes the general way)."""
 
     @abstractmethod
     def _lost(self, conn: Conn, reason: str) -> None:
@@ -395,6 +442,16 @@ class _UdsRouter(_UdsEndpoint):
                     return
                 continue
             inbox.append(Packet(identity, frames))
+
+    def _packets(self, conn: Conn, messages: list[list[Buffer]]) -> list[Packet] | None:
+        identity = conn.identity
+        if identity is None:
+            return None
+        return [_new(Packet, (identity, frames)) for frames in messages]
+
+    def _ready_conn(self, peer: bytes | None) -> Conn | None:
+        conn = self._peers.get(peer) if peer is not None else None
+        return conn if conn is not None and conn.ready else None
 
     def _handshake(self, conn: Conn, frames: list[Buffer]) -> bytes | None:
         """Take the next handshake message of ``conn``: its identity once the handshake is
@@ -591,6 +648,16 @@ class _UdsDealer(_UdsEndpoint):
                 continue
             inbox.append(Packet(None, frames))
         self._delay = _RETRY_MIN  # a working connection: the next loss retries fast again
+
+    def _packets(self, conn: Conn, messages: list[list[Buffer]]) -> list[Packet] | None:
+        if not conn.ready:
+            return None
+        self._delay = _RETRY_MIN  # (as ``_arrived``)
+        return [_new(Packet, (None, frames)) for frames in messages]
+
+    def _ready_conn(self, peer: bytes | None) -> Conn | None:
+        conn = self._conn
+        return conn if peer is None and conn is not None and conn.ready else None
 
     def _authenticate(self, conn: Conn, frames: list[Buffer]) -> bool:
         """Check the bound side's challenge, answer it, and start writing; False (and the

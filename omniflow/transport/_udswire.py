@@ -467,6 +467,19 @@ class Conn:
         if one is under way."""
         buf, view = self._buf, self._view
         start, end = self._start, self._end
+        if self._lens is None:
+            # The common case first: whole messages of one small frame, one header unpack
+            # each (a count other than 1, a big frame, or a part: the general way below).
+            while end - start >= 12:
+                count, size = _ONE.unpack_from(buf, start)
+                stop = start + 12 + size
+                if count != 1 or size > _SMALL or stop > end:
+                    break
+                done.append([bytes(view[start + 12 : stop])])
+                start = stop
+            if start == end:
+                self._start = start
+                return
         lens, fi, frames = self._lens, self._fi, self._frames
         while True:
             if lens is None:

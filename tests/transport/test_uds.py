@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omniflow import RuntimeClosedError, TransportError
 from omniflow.transport import (
@@ -256,6 +258,78 @@ async def test_a_receiver_gets_every_message_in_order_from_the_reader_itself(
         worker.set_receiver(receiver)  # closed
     async with bind("inproc://no-receiver") as other:
         assert not other.set_receiver(receiver)  # a transport without the path: recv_batch
+
+
+#: A send: how (``try_send``, else ``send``), how many frames, and how big the first.
+_SENDS = st.lists(
+    st.tuples(st.booleans(), st.integers(1, 3), st.sampled_from([0, 5, 100, 70_000])),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sends=_SENDS, hwm=st.integers(1, 8), receiver_from=st.integers(0, 40))
+def test_sends_both_ways_arrive_in_order_and_are_counted_alike(
+    sends: list[tuple[bool, int, int]], hwm: int, receiver_from: int
+) -> None:
+    """One-frame ``try_send``s to a ready connection go out in one step, and a reader with a
+    receiver hands what it read over in one call; whatever mix of sends (one or more frames,
+    ``try_send`` or ``send``, a small high-water mark) and receiving (``recv_batch`` first,
+    a receiver from some point on), both sides see the same messages in order, both ways,
+    and count the same messages and bytes."""
+
+    async def main() -> None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="of-", dir="/tmp") as tmp:
+            transport = UdsTransport(hwm=hwm)
+            async with (
+                transport.bind(f"uds://{tmp}/w.sock") as worker,
+                transport.connect(f"uds://{tmp}/w.sock", identity=b"f") as front,
+            ):
+                msgs = [
+                    [b"%03d" % i + b"x" * size, *(b"f%d" % j for j in range(1, n))]
+                    for i, (_try, n, size) in enumerate(sends)
+                ]
+                got: list[list[bytes]] = []
+                back: list[list[bytes]] = []
+
+                def to_worker(packets: list[Packet]) -> None:
+                    for peer, frames in packets:
+                        got.append([bytes(f) for f in frames])
+                        assert peer == b"f"
+                        if not worker.try_send(frames, peer=peer):  # echo it back
+                            pending.append(asyncio.ensure_future(worker.send(frames, peer=peer)))
+
+                pending: list[asyncio.Future[None]] = []
+                assert front.set_receiver(lambda ps: back.extend(
+                    [bytes(f) for f in p.frames] for p in ps))  # fmt: skip
+
+                async def send(i: int) -> None:
+                    if not (sends[i][0] and front.try_send(msgs[i])):
+                        await front.send(msgs[i])
+
+                first = min(receiver_from, len(msgs))
+                for i in range(first):  # these the worker reads with recv_batch
+                    await send(i)
+                while len(got) < first:
+                    for peer, frames in await worker.recv_batch():
+                        got.append([bytes(f) for f in frames])
+                        await worker.send(frames, peer=peer)
+                assert worker.set_receiver(to_worker)  # the rest: handed over by the reader
+                for i in range(first, len(msgs)):
+                    await send(i)
+                await eventually(lambda: len(back) == len(msgs), "every echo")
+                await asyncio.gather(*pending)
+                assert got == msgs and back == msgs
+                sent, received = front.statistics(), worker.statistics()
+                assert sent["sent"] == received["received"] == len(msgs)
+                assert sent["sent_bytes"] == received["received_bytes"]
+                assert received["sent"] == sent["received"] == len(msgs)
+                validate(front, worker)
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------ back-pressure
