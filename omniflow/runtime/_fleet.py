@@ -179,6 +179,10 @@ class Fleet:
         self.replicas: dict[str, Replica] = {}
         #: True while a batch of replica messages is handled (runs made then are queued).
         self.in_batch = False
+        #: Set by ``on_message``'s side when it learned of a forwarded run (``_take_known``).
+        self.known = False
+        #: Replicas with messages waiting for the end of the loop turn (``_later``), in order.
+        self._waiting: dict[Replica, None] = {}
         #: Grows with every replica state change (what routes were computed from is stale).
         self.epoch = 0
         self.registry: ServiceRegistry | None = None
@@ -355,16 +359,33 @@ class Fleet:
             self._take(rep, batch, True)
         else:
             late.append((None, [], batch))
+        if self.known:
+            self._take_known()
 
-    def _take_late(self, rep: Replica) -> None:
-        """Handle what ``rep`` sent that waited for the end of the last loop turn, in order
-        (none once its connection is closed: it would deliver nothing more either). What is
-        still about runs the front does not know may wait again, ``LATE_TURNS`` turns in a
-        row at most; then it is handled whatever it says."""
+    def _take_known(self) -> None:
+        """The front learned of forwarded runs (``known``): what waits for the end of the loop
+        turn (``_later``) may be about them, so it is tried now, in order, rather than a
+        loop turn later. Nothing changes but when: what still waits waits on; each try here
+        follows a run being learned of, so these tries end (they do not count as turns)."""
+        while self.known and self._waiting:
+            self.known = False
+            for rep in list(self._waiting):
+                if rep in self._waiting:
+                    self._take_late(rep, turn=False)
+        self.known = False
+
+    def _take_late(self, rep: Replica, turn: bool = True) -> None:
+        """Handle what ``rep`` sent that waited for the end of the last loop turn (``turn``;
+        else tried again within it: ``_take_known``), in order (none once its connection is
+        closed: it would deliver nothing more either). What is still about runs the front
+        does not know may wait again, ``LATE_TURNS`` turns in a row at most; then it is
+        handled whatever it says."""
+        self._waiting.pop(rep, None)
         late, rep.late = rep.late, None
         if late is None or rep.endpoint is None or rep.endpoint.state is EndpointState.CLOSED:
             return
-        rep.waited += 1
+        if turn:
+            rep.waited += 1
         may_wait = rep.waited < LATE_TURNS
         was, self.in_batch = self.in_batch, True
         try:
@@ -375,6 +396,8 @@ class Fleet:
             rep.waited = 0
         finally:
             self.in_batch = was
+            if turn and self.known:
+                self._take_known()
 
     def _take_waiting(
         self, rep: Replica, item: tuple[Message | None, list[Any], list[Any]], may_wait: bool
@@ -421,6 +444,7 @@ class Fleet:
         row at most (``_take_late``)."""
         assert rep.late is None
         rep.late = [(rest, inner, packets)]
+        self._waiting[rep] = None
         asyncio.get_running_loop().call_soon(self._take_late, rep)
 
     def _take(self, rep: Replica, batch: list[Any], may_wait: bool) -> bool:

@@ -434,6 +434,7 @@ class RemoteRoles:
         rep.held.add(key)
         self.forwarded += 1
         self._bound.append(key)
+        self.fleet.known = True  # (what waits for it need not wait for the next loop turn)
         return True
 
     def _orphan(self, rep: Replica, c: str, wid: str, done: bool = False) -> None:

@@ -47,14 +47,21 @@ def _messages(name: str, n: int, deps: list[int | None]) -> list[Frame]:
 
 
 async def _run(
-    turns: list[list[tuple[int, int, bool]]], deps: list[list[int | None]]
+    turns: list[list[tuple[int, int, bool]]],
+    deps: list[list[int | None]],
+    ticks: dict[str, int] | None = None,
 ) -> tuple[list[str], dict[str, int], dict[str, int]]:
     """Deliver ``turns`` to a fleet whose ``on_message`` hands back a message whose binding
     message was not handled yet (as the front does); what was handled, in order, the turn
-    each message was delivered in, and each handled message's "early" flag count."""
+    each message was delivered in, and each handled message's "early" flag count.
+
+    With ``ticks``, a message of "r0" that is handled says so (``Fleet.known``, as the front's
+    binding of a forwarded run does), and ``ticks`` gets the loop turn (counted from the
+    start) each message was delivered in ("+name") and handled in ("name")."""
     handled: list[str] = []
     seen: set[str] = set()
     early: dict[str, int] = {}
+    tick = [0]
 
     def on_message(rep: Replica, msg: Message, may_wait: bool) -> Message | None:
         assert type(msg) is Frame
@@ -66,6 +73,10 @@ async def _run(
         assert msg.a not in seen, f"{msg.a} handled twice"
         seen.add(msg.a)
         handled.append(msg.a)
+        if ticks is not None:
+            ticks[msg.a] = tick[0]
+            if msg.a.startswith("r0."):
+                fleet.known = True
         return None
 
     fleet = Fleet([], on_message=on_message, on_lost=lambda rep, why: None, cluster_key=KEY)
@@ -86,12 +97,20 @@ async def _run(
             sent[r] += n
             for m in msgs:
                 delivered_in[m.a] = t
+                if ticks is not None:
+                    ticks["+" + m.a] = tick[0]
             envelopes = [encode_msg(m) for m in msgs]
             packets = batch(envelopes) if batched else envelopes
             fleet._receive(reps[r], [(None, sealers[r].seal(p)) for p in packets])
         loop.call_soon(turn, t + 1)
 
+    def count() -> None:  # once per loop turn
+        tick[0] += 1
+        if not done.done():
+            loop.call_soon(count)
+
     try:
+        loop.call_soon(count)
         loop.call_soon(turn, 0)
         await done
         for _ in range(_fleet.LATE_TURNS + 2):  # what still waits is handled by then
@@ -132,6 +151,37 @@ def test_what_waits_keeps_each_connections_order_and_comes_after_what_binds_it(
             if dep is not None and delivered_in[f"r0.{dep}"] <= delivered_in[a]:
                 assert at[f"r0.{dep}"] < at[a], (a, f"r0.{dep}")
                 assert a not in early
+
+
+@given(turns=_TURNS, data=st.data())
+def test_what_waits_for_a_run_is_handled_in_the_loop_turn_the_run_becomes_known(
+    turns: list[list[tuple[int, int, bool]]], data: st.DataObject
+) -> None:
+    """When the front learns of runs (``Fleet.known``), what waits is tried again at once:
+    a message is handled in the loop turn it could first be (it arrived, its binding message
+    was handled, and the message its connection sent before it was), not a turn later."""
+    total = [sum(n for t in turns for r, n, _b in t if r == i) for i in range(3)]
+    deps: list[list[int | None]] = [[None] * total[0]]
+    for i in (1, 2):
+        deps.append([
+            data.draw(st.none() | st.integers(0, max(0, total[0] - 1))) if total[0] else None
+            for _ in range(total[i])
+        ])  # fmt: skip
+    ticks: dict[str, int] = {}
+    with _late_turns(_fleet.LATE_TURNS):
+        _handled, _delivered, early = asyncio.run(_run(turns, deps, ticks))
+    for r in range(3):
+        for i in range(total[r]):
+            a = f"r{r}.{i}"
+            if a in early or (i and f"r{r}.{i - 1}" in early):
+                continue  # (one that waited its bound out: handled whatever it said)
+            first = ticks["+" + a]
+            dep = deps[r][i]
+            if dep is not None:
+                first = max(first, ticks[f"r0.{dep}"])
+            if i:
+                first = max(first, ticks[f"r{r}.{i - 1}"])
+            assert ticks[a] == first, (a, ticks[a], first)
 
 
 @contextlib.contextmanager
