@@ -33,6 +33,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,8 @@ _new = tuple.__new__
 #: Let another runnable process have this CPU first (a spin turn's courtesy; a no-op where
 #: the platform has no ``sched_yield``).
 _yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+#: The spin's clock (read once per message: the loop's ``time()`` is a method call more).
+_monotonic = time.monotonic
 
 logger = logging.getLogger("omniflow.remote")
 
@@ -207,7 +210,7 @@ class RemoteRoles:
         #: is in flight (``_kick``); None: ``$OMNIFLOW_SPIN_US`` (0 with the fast path off).
         self.spin = spin if spin is not None else (front_spin() if self.fast_path else 0.0)
         self._spinner: asyncio.Task[None] | None = None
-        self._last_message = 0.0  #: loop time of the last run sent or message read
+        self._last_message = 0.0  #: ``time.monotonic()`` of the last run sent or message read
         self.spins = 0  #: loop turns spent polling (observability)
         #: The front's data plane (inputs it produced for remote methods go through its pool).
         self.plane = plane
@@ -457,17 +460,16 @@ class RemoteRoles:
         front sleeps, and a slow role costs the front one spin, not its whole run.
         """
         if self.spin:
-            loop = asyncio.get_running_loop()
-            self._last_message = loop.time()
+            self._last_message = _monotonic()
             if self._spinner is None:
-                self._spinner = loop.create_task(self._spin(loop))
+                self._spinner = asyncio.get_running_loop().create_task(self._spin())
 
-    async def _spin(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _spin(self) -> None:
         """Keep the loop polling (each turn: its sockets without a timeout, then whatever they
         made ready) while remote work is in flight and the last message is recent. Each turn
         first yields the CPU to any process waiting for it (a worker on this core runs first)."""
         try:
-            while self._pending and loop.time() - self._last_message < self.spin:
+            while self._pending and _monotonic() - self._last_message < self.spin:
                 _yield_cpu()
                 self.spins += 1
                 await asyncio.sleep(0)
