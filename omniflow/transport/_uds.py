@@ -240,7 +240,8 @@ class _UdsEndpoint(Endpoint):
         with nothing queued, from the loop the endpoint is attached to) in one step."""
         if len(frames) == 1 and self.state is EndpointState.OPEN:
             conn = self._ready_conn(peer)
-            if conn is not None and asyncio._get_running_loop() is self._loop:
+            loop = self._loop
+            if conn is not None and loop is not None and asyncio._get_running_loop() is loop:
                 outbox = conn.outbox
                 if not conn.writing and not outbox.queue and not outbox.blocked:
                     frame = frames[0]
