@@ -125,13 +125,11 @@ async def _run(
     return handled, delivered_in, early
 
 
-@given(turns=_TURNS, data=st.data())
-def test_what_waits_keeps_each_connections_order_and_comes_after_what_binds_it(
+def _totals_and_deps(
     turns: list[list[tuple[int, int, bool]]], data: st.DataObject
-) -> None:
-    """Any deliveries over loop turns: every message is handled once, each connection's in
-    the order it sent them, and a message whose binding message was delivered in the same
-    turn or before (on another connection, in whatever order) is handled after it."""
+) -> tuple[list[int], list[list[int | None]]]:
+    """How many messages each replica sends over ``turns``, and what each message of "r1"
+    and "r2" is about: a message of "r0" (drawn), or nothing."""
     total = [sum(n for t in turns for r, n, _b in t if r == i) for i in range(3)]
     deps: list[list[int | None]] = [[None] * total[0]]
     for i in (1, 2):
@@ -139,6 +137,17 @@ def test_what_waits_keeps_each_connections_order_and_comes_after_what_binds_it(
             data.draw(st.none() | st.integers(0, max(0, total[0] - 1))) if total[0] else None
             for _ in range(total[i])
         ])  # fmt: skip
+    return total, deps
+
+
+@given(turns=_TURNS, data=st.data())
+def test_what_waits_keeps_each_connections_order_and_comes_after_what_binds_it(
+    turns: list[list[tuple[int, int, bool]]], data: st.DataObject
+) -> None:
+    """Any deliveries over loop turns: every message is handled once, each connection's in
+    the order it sent them, and a message whose binding message was delivered in the same
+    turn or before (on another connection, in whatever order) is handled after it."""
+    total, deps = _totals_and_deps(turns, data)
     with _late_turns(3):  # (the bound itself is not what is checked here)
         handled, delivered_in, early = asyncio.run(_run(turns, deps))
     for r in range(3):
@@ -160,13 +169,7 @@ def test_what_waits_for_a_run_is_handled_in_the_loop_turn_the_run_becomes_known(
     """When the front learns of runs (``Fleet.known``), what waits is tried again at once:
     a message is handled in the loop turn it could first be (it arrived, its binding message
     was handled, and the message its connection sent before it was), not a turn later."""
-    total = [sum(n for t in turns for r, n, _b in t if r == i) for i in range(3)]
-    deps: list[list[int | None]] = [[None] * total[0]]
-    for i in (1, 2):
-        deps.append([
-            data.draw(st.none() | st.integers(0, max(0, total[0] - 1))) if total[0] else None
-            for _ in range(total[i])
-        ])  # fmt: skip
+    total, deps = _totals_and_deps(turns, data)
     ticks: dict[str, int] = {}
     with _late_turns(_fleet.LATE_TURNS):
         _handled, _delivered, early = asyncio.run(_run(turns, deps, ticks))
