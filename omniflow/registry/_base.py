@@ -332,8 +332,13 @@ class ServiceRegistry(ABC):
     # ------------------------------------------------------------------------------- internals
 
     async def _heartbeat_loop(self) -> None:
+        # Ends at the first look after ``close`` even if the cancel ``close`` sends is lost
+        # (a client library can swallow a cancel that races one of its own timeouts, and
+        # then ``close``, awaiting this task, would wait for good).
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            if self.state is not RegistryState.OPEN:
+                return
             if not self._local:
                 continue
             try:

@@ -345,3 +345,27 @@ def test_create_registry() -> None:
     assert "secret" not in repr(redis) and "***" in repr(redis)
     with pytest.raises(RegistryError, match="unsupported registry URL"):
         create_registry("etcd://h")
+
+
+class _SwallowsCancel(MemoryRegistry):
+    """A registry whose heartbeat write loses a cancel, as a client library may when the
+    cancel races one of its own timeouts: the write turns it into a RegistryError."""
+
+    writing: asyncio.Event
+
+    async def _heartbeat(self, replicas: Any) -> None:
+        self.writing.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RegistryError("the write was interrupted") from None
+
+
+async def test_close_ends_heartbeats_even_if_a_write_swallows_the_cancel() -> None:
+    registry = _SwallowsCancel(heartbeat_interval=0.01, ttl=1.0)
+    registry.writing = asyncio.Event()
+    await registry.start()
+    await registry.register("llm", "llm-0", "inproc://llm-0")
+    await asyncio.wait_for(registry.writing.wait(), 30)  # a heartbeat write is under way
+    await asyncio.wait_for(registry.close(), 30)  # (a hang guard: it returns at once)
+    assert registry._heartbeat_task is not None and registry._heartbeat_task.done()
