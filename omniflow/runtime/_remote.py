@@ -70,6 +70,8 @@ from omniflow.transport._auth import resolve_key
 from omniflow.transport._fastpath import fast_path_enabled, front_spin, is_local
 from omniflow.transport._protocol import (
     Cancel,
+    Claim,
+    Claimed,
     CloseSession,
     Done,
     Dones,
@@ -131,7 +133,9 @@ class _Pending:
     """An activation running on one or more replicas; the shell's task for it (in
     ``call._tasks``): ``cancel()`` asks its replicas."""
 
-    __slots__ = ("act", "call", "core", "error", "k", "key", "remote", "replicas", "routes")
+    __slots__ = (
+        "act", "call", "core", "error", "k", "key", "remote", "replicas", "routes", "via",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -142,6 +146,7 @@ class _Pending:
         act: Activation,
         replicas: list[Replica],
         routes: tuple[_Plan, ...] = (),
+        via: Replica | None = None,
     ) -> None:
         self.remote = remote
         #: (call id, wire id): its entry in ``RemoteRoles._pending`` and in replicas' ``held``.
@@ -157,6 +162,8 @@ class _Pending:
         self.routes = routes
         #: Frames it sent so far (a forwarded run's id names the frame by this index).
         self.k = 0
+        #: A forwarded run's forwarder: the replica whose frame said it started it.
+        self.via = via
 
     def cancel(self) -> None:
         self.remote._cancel(self.key)
@@ -240,8 +247,13 @@ class RemoteRoles:
         self._hops: dict[tuple[str, str], tuple[Hop, ...]] = {}
         #: (graph, node) -> (fleet epoch, routes, their wire form) of its runs.
         self._routes: dict[tuple[str, str], tuple[int, tuple[_Plan, ...], list[Any] | None]] = {}
-        #: While a frame that forwarded runs is in the core: node -> (wire id, route) expected.
-        self._expect: dict[str, tuple[str, _Plan, int]] | None = None
+        #: While a frame that forwarded runs is in the core: node -> (wire id, route, SeqId
+        #: index, the replica that forwarded it) expected.
+        self._expect: dict[str, tuple[str, _Plan, int, Replica]] | None = None
+        #: Claims sent to replicas about runs whose forwarder was lost: request id ->
+        #: (the replica asked, call id, wire ids).
+        self._claims: dict[int, tuple[Replica, str, list[str]]] = {}
+        self._claim_ids = itertools.count(1)
         #: Forwarded runs bound while the core handled a frame (their early messages replay).
         self._bound: list[tuple[str, str]] = []
         #: call id -> what its forwarded runs sent before their binding.
@@ -413,7 +425,14 @@ class RemoteRoles:
         return tuple(plans), wire or None
 
     def _bind(
-        self, call: Call, core: CallCore, act: Activation, wid: str, plan: _Plan, q: int
+        self,
+        call: Call,
+        core: CallCore,
+        act: Activation,
+        wid: str,
+        plan: _Plan,
+        q: int,
+        via: Replica,
     ) -> bool:
         """``act`` is the activation a worker already started as ``wid``: take it as sent.
         False (``wid`` orphaned) if anything differs from what was forwarded."""
@@ -430,7 +449,7 @@ class RemoteRoles:
             self._orphan(rep, call.call_id, wid)
             return False
         key = (call.call_id, wid)
-        p = self._pending[key] = _Pending(self, key, call, core, act, [rep], plan.sub)
+        p = self._pending[key] = _Pending(self, key, call, core, act, [rep], plan.sub, via)
         call._tasks[act] = p
         if core.c.plan.params or self.track_calls:
             self._call_replicas.setdefault(key[0], set()).add(rep)
@@ -631,6 +650,8 @@ class RemoteRoles:
                 self._stray(rep, c, a, msg)
             else:
                 self._replica_frame(rep, c, a, f, x)
+        elif type(msg) is Claimed:
+            self._on_claimed(rep, msg)
         elif type(msg) is StatsReply:
             fut = self._stats_waiting.pop(msg.r, None)
             if fut is not None and not fut.done():
@@ -883,28 +904,29 @@ class RemoteRoles:
 
     def _expecting(
         self, rep: Replica, p: _Pending, k: int, x: list[Any]
-    ) -> dict[str, tuple[str, _Plan, int]]:
+    ) -> dict[str, tuple[str, _Plan, int, Replica]]:
         """What frame ``k`` of ``p`` forwarded (its ``x``): node -> (wire id, route, the SeqId
-        index its activation must have), for ``submit`` to bind while the core handles it."""
+        index its activation must have, ``rep``), for ``submit`` to bind while the core
+        handles it."""
         routes = p.routes
         a = p.key[1]
-        expect: dict[str, tuple[str, _Plan, int]] = {}
+        expect: dict[str, tuple[str, _Plan, int, Replica]] = {}
         for item in x:
             if type(item) is list and len(item) == 2:
                 r, wid = item
                 # (``wire_id(a, k, r)``, inline: once per forwarded run)
                 if type(r) is int and 0 <= r < len(routes) and wid == f"{a}.{k}.{r}":
                     plan = routes[r]
-                    expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2])
+                    expect[plan.hop.node] = (wid, plan, k if plan.hop.qk else p.act.seq[2], rep)
                     continue
             self.fleet.dropped(rep, "malformed", OmniflowError(f"a forward note {item!r:.60}"))
         return expect
 
-    def _settle_forwards(self, c: str, expect: dict[str, tuple[str, _Plan, int]]) -> None:
+    def _settle_forwards(self, c: str, expect: dict[str, tuple[str, _Plan, int, Replica]]) -> None:
         """The core handled a frame that forwarded runs: those it did not make (still in
         ``expect``) are orphans, with what they sent and their unbound descendants; what the
         bound ones sent before their binding is replayed."""
-        for wid, plan, _q in expect.values():
+        for wid, plan, _q, _via in expect.values():
             waiting = self._early.get(c)
             entry = waiting.take(wid) if waiting is not None else None
             if entry is None:
@@ -978,6 +1000,63 @@ class RemoteRoles:
                     p.act.node,
                     f"replica lost: replica '{rep.replica_id}' of role "
                     f"'{p.core.c.specs[p.act.node].role}' was lost while running it ({why})",
+                    call_id=p.call.call_id,
+                    graph=p.call.graph,
+                )
+            self._replica_done(rep, key, None)
+        for r in [r for r, claim in self._claims.items() if claim[0] is rep]:
+            del self._claims[r]  # (what it held failed above)
+        self._claim(rep, why)
+
+    def _claim(self, via: Replica, why: str) -> None:
+        """``via`` was lost: runs it forwarded that the front bound may never have reached
+        their replica (the frame that reported a forward may reach the front before the
+        forward leaves the worker's queues). Ask each replica which of them it does not
+        hold; those fail (``_on_claimed``). A run that got there runs on, and one that is
+        still on its way is ended there as cancelled when it comes (the worker keeps what it
+        said it lacks)."""
+        asked: dict[tuple[Replica, str], list[str]] = {}
+        for (c, wid), p in self._pending.items():
+            if p.via is via and type(wid) is str:
+                for target in p.replicas:
+                    if target.alive and target is not via:
+                        asked.setdefault((target, c), []).append(wid)
+        for (target, c), wids in asked.items():
+            r = next(self._claim_ids)
+            self._claims[r] = (target, c, wids)
+            target.out.put_nowait(encode_msg(Claim(r, c, wids)))
+            logger.info(
+                "asked replica %s which of %d runs of call %s forwarded by lost replica %s "
+                "it holds (%s)", target.replica_id, len(wids), c, via.replica_id, why,
+            )  # fmt: skip
+
+    def _on_claimed(self, rep: Replica, msg: Claimed) -> None:
+        """``rep`` answered a claim: the runs it does not hold never will run; they fail as
+        lost with their forwarder, and what they might still send is dropped (orphans)."""
+        r, c, missing = msg
+        claim = self._claims.get(r)
+        if claim is None or claim[0] is not rep or claim[1] != c:
+            self.fleet.dropped(rep, "foreign", OmniflowError(f"an answer to claim {r}, not its"))
+            return
+        del self._claims[r]
+        asked = set(claim[2])
+        for wid in missing:
+            if type(wid) is not str or wid not in asked:
+                self.fleet.dropped(rep, "malformed", OmniflowError(f"a claimed {wid!r:.40}"))
+                continue
+            key = (c, wid)
+            p = self._pending.get(key)
+            if p is None or rep not in p.replicas:
+                continue  # (it ended meanwhile: its done came first)
+            self._orphans.setdefault(c, {})[wid] = rep
+            self.orphaned += 1
+            if p.error is None:
+                via = p.via.replica_id if p.via is not None else "?"
+                p.error = NodeError(
+                    p.act.node,
+                    f"replica lost: replica '{via}', which started this run on replica "
+                    f"'{rep.replica_id}' of role '{p.core.c.specs[p.act.node].role}', was "
+                    "lost before the run reached it",
                     call_id=p.call.call_id,
                     graph=p.call.graph,
                 )

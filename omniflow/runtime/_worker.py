@@ -64,6 +64,8 @@ from omniflow.transport._protocol import (
     Batch,
     Bye,
     Cancel,
+    Claim,
+    Claimed,
     CloseSession,
     Done,
     Dones,
@@ -562,6 +564,10 @@ class Worker:
                     early[(peer, c, a)] = None
                     if len(early) > CANCELLED_EARLY:
                         del early[next(iter(early))]
+            case Claim(r=r, c=c, ws=ws):
+                # Answered outside this batch: what the lost forwarder wrote to this worker
+                # before it went is read (and started) first (``_claimed``).
+                asyncio.get_running_loop().call_soon(self._claimed, peer, r, c, ws)
             case Hello(front=front, interval=interval):
                 self._peers.add(peer)
                 self._fronts[peer] = front
@@ -653,6 +659,27 @@ class Worker:
                 self._dropped(
                     "unknown_kind", TransportError(f"a worker does not take {type(msg).__name__}")
                 )
+
+    def _claimed(self, peer: bytes | None, r: int, c: str, ws: list[Any]) -> None:
+        """Answer ``peer``'s claim ``r``: which forwarded runs ``ws`` of call ``c`` are not
+        here (neither running nor pulling their inputs). Each of those is then kept as
+        cancelled early: should its forward still come, it ends at once without running,
+        so the front may fail it now (its forwarder was lost) and no method runs for it."""
+        if self._endpoint is not None:
+            self._endpoint.drain()  # (the runs already here start first)
+        missing = []
+        early = self._cancelled_early
+        for wid in ws:
+            if type(wid) is not str:
+                self._dropped("malformed", TransportError(f"a claim of {wid!r:.40}"))
+                continue
+            key = (peer, c, wid)
+            if key not in self._running:
+                missing.append(wid)
+                early[key] = None
+        while len(early) > CANCELLED_EARLY:
+            del early[next(iter(early))]
+        self._send(peer, Claimed(r, c, missing))
 
     def _for_here(self, ft: str, rid: str) -> bool:
         """Whether a forward for replica ``rid`` on behalf of front ``ft`` is this replica's

@@ -176,6 +176,13 @@ class Endpoint(ABC):
         for ``recv`` again. False where the transport has no such path (use ``recv_batch``)."""
         return False
 
+    def drain(self) -> bool:
+        """With a receiver (``set_receiver``): hand it, before returning, every message this
+        endpoint's connections hold now, read or not (what a peer wrote before this call is
+        in its hands then, in order). False where the transport cannot tell (zmq: messages
+        may still be in its own queues): nothing is done then."""
+        return False
+
     def _delivered(self, packets: list[Packet]) -> None:
         """Count ``packets`` as received (a transport that delivers to a receiver)."""
         self._received += len(packets)

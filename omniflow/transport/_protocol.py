@@ -13,6 +13,8 @@
     Bye ()     (answer to the worker's bye)        MetaCall (r, op, args)     (front-hosted
     MetaReply (r, v, e)                                                   pool metadata)
     MetaNotify (p, s, keys)  (pages published in a chain the worker's pool subscribed to)
+    Claim (r, c, ws)                           Claimed (r, c, missing)
+      (forwarded runs whose forwarder was lost: the ones not here never run here)
 
     consumer worker -> producer worker (the zmq connector, on the producer's endpoint)
     Pull (r, h)                                Pulled (r, data)  or  PullFailed (r, error)
@@ -44,6 +46,10 @@ cancellation, and the formatted traceback ``tb``. ``Dones`` is the good ends (no
 worker had for one front at once, as flat lists of the same length: record ``i`` is
 ``Done(cs[i], as_[i], fs[i], x=xs[i])``. It is decoded in one go; the front checks each
 record's types and drops a bad one alone.
+A ``Claim`` asks a worker which of the forwarded runs ``ws`` (wire ids) of call ``c`` it holds,
+after their forwarder was lost: the ``Claimed`` answer lists those ``missing`` (neither
+running nor pulling their inputs there), and each of them, should its forward still come,
+ends at once as cancelled without running.
 
 On the wire a message is sealed (``_auth``: a MAC over every frame, checked before anything
 is decoded) around the codec's envelope: ``kind`` and the message's fields as a msgpack array
@@ -67,6 +73,8 @@ __all__ = [
     "Batch",
     "Bye",
     "Cancel",
+    "Claim",
+    "Claimed",
     "CloseSession",
     "Done",
     "Dones",
@@ -230,6 +238,23 @@ class Dones(NamedTuple):
     xs: list[list[Any] | None]
 
 
+class Claim(NamedTuple):
+    """Which of the forwarded runs ``ws`` of call ``c`` does the worker hold (request ``r``)?"""
+
+    r: int
+    c: str
+    ws: list[str]
+
+
+class Claimed(NamedTuple):
+    """The answer to ``Claim`` ``r``: the runs it asked about that the worker does not hold
+    (they will never run there)."""
+
+    r: int
+    c: str
+    missing: list[str]
+
+
 class Release(NamedTuple):
     refs: list[Any]
 
@@ -351,6 +376,8 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
         ((str,), (int, str), _ANY, (str, _N), (str, _N), (bool,), (str, _N), (list, _N)),
     ),
     Dones: ("dones", ((list,), (list,), (list,), (list,))),
+    Claim: ("claim", ((int,), (str,), (list,))),
+    Claimed: ("claimed", ((int,), (str,), (list,))),
     Release: ("release", ((list,),)),
     EndCall: ("end_call", ((str,),)),
     SourceLost: ("source_lost", ((str,), (int,))),
@@ -371,8 +398,9 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
 
 Message = (
     Batch | Hello | Ready | Run | Forward | Forwards | Cancel | Frame | Frames | Done | Dones
-    | Release | EndCall | SourceLost | StatsRequest | StatsReply | CloseSession | Stop | Bye
-    | Heartbeat | Pull | Pulled | PullFailed | MetaCall | MetaReply | MetaNotify
+    | Claim | Claimed | Release | EndCall | SourceLost | StatsRequest | StatsReply
+    | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled | PullFailed | MetaCall | MetaReply
+    | MetaNotify
 )  # fmt: skip
 #: kind -> (message type, allowed types of each field).
 MESSAGES: dict[str, tuple[Any, tuple[tuple[type, ...], ...]]] = {

@@ -207,6 +207,28 @@ class _UdsEndpoint(Endpoint):
             self._attach().call_soon(self._deliver)
         return True
 
+    def drain(self) -> bool:
+        """``Endpoint.drain``: each connection read until the kernel has nothing more for it
+        (``Conn.read`` stops at a short read), then the whole inbox handed to the receiver,
+        ``MAX_DELIVERY`` at a time, now (a rare call: a lost peer's last words)."""
+        receiver = self._receiver
+        if receiver is None or self.state is not EndpointState.OPEN:
+            return False
+        for conn in self._connections():
+            if not conn.closed:
+                self._on_readable(conn)
+        packets = self._in.packets
+        while packets and self._receiver is receiver and self.state is EndpointState.OPEN:
+            n = min(len(packets), MAX_DELIVERY)
+            batch = [packets.popleft() for _ in range(n)]
+            self._delivered(batch)
+            receiver(batch)
+        return True
+
+    @abstractmethod
+    def _connections(self) -> list[Conn]:
+        """The connections that may deliver messages."""
+
     def _deliver(self) -> None:
         """Hand what waits in ``_in`` to the receiver, MAX_DELIVERY at a time, one batch per
         loop turn."""
@@ -432,6 +454,9 @@ class _UdsRouter(_UdsEndpoint):
             conn.ready = self._hs is None  # (keyed: once its proof held)
             self._conns.add(conn)
             self._watch(conn)
+
+    def _connections(self) -> list[Conn]:
+        return list(self._conns)
 
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
         inbox = self._in.packets
@@ -659,6 +684,9 @@ class _UdsDealer(_UdsEndpoint):
     def _ready_conn(self, peer: bytes | None) -> Conn | None:
         conn = self._conn
         return conn if peer is None and conn is not None and conn.ready else None
+
+    def _connections(self) -> list[Conn]:
+        return [self._conn] if self._conn is not None else []
 
     def _authenticate(self, conn: Conn, frames: list[Buffer]) -> bool:
         """Check the bound side's challenge, answer it, and start writing; False (and the

@@ -8,6 +8,9 @@ says which process made it (``os.getpid()``), so a test sees where a frame went.
 edge direct-fire with one producer: with the roles in different workers the fast path starts
 every run of m1, m2 and boom worker to worker. ``hold`` keeps several m1 runs in flight at
 once; ``boom`` fails on frame ``fail`` (-1: never) and otherwise makes nothing.
+
+``fw_pad``: ``psrc`` -> ``pm1`` -> ``pm2`` as in ``fw_chain``, with ``n`` frames of ``size`` bytes
+each, ``every`` s apart (enough of them fill a socket to a stopped worker).
 """
 
 from __future__ import annotations
@@ -64,4 +67,27 @@ DEPLOY = {
     "m1": {"process": "w_m1"},
     "m2": {"process": "w_m2"},
     "boom": {"process": "w_m2"},
+}
+
+
+class PaddedSource(of.Role):
+    @of.interface(inputs_or=[["n", "size", "every"]], outputs=["a"])
+    async def gen(self, n: int, size: int, every: float) -> AsyncIterator[dict[str, Any]]:
+        for i in range(n):
+            yield {"a": {"i": i, "src": os.getpid(), "hold": 0.0, "pad": "x" * size}}
+            await asyncio.sleep(every)
+
+
+padded = of.Graph(
+    "fw_pad",
+    roles={"psrc": PaddedSource(), "pm1": Step1(), "pm2": Step2()},
+    inputs=[of.Placeholder("n"), of.Placeholder("size"), of.Placeholder("every")],
+    outputs=["c"],
+)
+
+#: Three workers, one role each.
+DEPLOY_PAD = {
+    "psrc": {"process": "w_psrc"},
+    "pm1": {"process": "w_pm1"},
+    "pm2": {"process": "w_pm2"},
 }

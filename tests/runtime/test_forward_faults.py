@@ -154,6 +154,59 @@ async def test_losing_the_middle_worker_mid_stream(sig: signal.Signals) -> None:
         assert {r: n for r, n in rt.wire_stats()["restarts"].items() if n} == {"m1": 1}
 
 
+# ---------------------------------------------------------------- losing a forwarder
+
+
+async def test_runs_a_lost_worker_forwarded_but_never_delivered_fail_not_hang() -> None:
+    """pm1's worker ran every pm1 run, forwarded each pm2 run to pm2's worker (stopped: its
+    socket fills, the rest wait in pm1's worker) and told the front, which bound them all;
+    then pm1's worker dies, idle. The front asks pm2's worker which runs it holds: the ones
+    that reached it run, the ones that died with pm1's worker fail as lost with it, and the
+    call ends (it used to wait for them for good); nothing is left."""
+    n, size = 160, 100_000  # 16 MB: more than a socket holds (4 MiB buffer, doubled)
+    rt = front(fg.padded, of.Deploy(fg.DEPLOY_PAD))
+    assert rt.remote is not None
+    rt.remote.fleet.heartbeat_misses = 1_000_000  # (pm2's worker is stopped, not lost)
+    async with rt:
+        for _ in range(2):  # (the second forwards every run: the links are made)
+            before = remote(rt)["forwarded"]
+            small = {"n": 2, "size": 1, "every": 0.0}
+            assert (await asyncio.wait_for(rt.run("fw_pad", small), HANG))["c"]
+        assert remote(rt)["forwarded"] == before + 2 * 2
+        before = remote(rt)["forwarded"]
+        m1, m2 = pid_of(rt, "pm1"), pid_of(rt, "pm2")
+        os.kill(m2, signal.SIGSTOP)
+        try:
+            # (frames apart: each forward leaves pm1's worker as a message of its own)
+            call = rt.call("fw_pad", {"n": n, "size": size, "every": 0.002})
+
+            async def all_bound_m1_idle() -> bool:
+                r = remote(rt)
+                return r["forwarded"] == before + 2 * n and r["remote_inflight"] == n
+
+            await eventually(all_bound_m1_idle, "every pm1 run ended, every pm2 run bound", HANG)
+            os.kill(m1, signal.SIGKILL)
+
+            async def m1_lost() -> bool:
+                assert rt.remote is not None
+                return not any(
+                    r.alive and r.process is not None and r.process.pid == m1
+                    for r in rt.remote.fleet.replicas.values()
+                )
+
+            await eventually(m1_lost, "the front lost pm1's worker", HANG)
+        finally:
+            os.kill(m2, signal.SIGCONT)
+        got = await asyncio.wait_for(call.collect(), HANG)
+        assert call.status == "error", call.status
+        ran = sorted(v["i"] for v in got.get("c", []))
+        assert 0 < len(ran) < n and len(call.errors) == n - len(ran), (len(ran), call.errors)
+        for e in call.errors:
+            assert (e.node, e.kind) == ("pm2.run", "error"), e
+            assert "replica lost" in e.message and "before the run reached it" in e.message, e
+        await settled(rt)
+
+
 # ---------------------------------------------------------------- Redis restart
 
 

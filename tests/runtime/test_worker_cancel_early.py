@@ -1,4 +1,5 @@
-"""A worker and the cancel of a forwarded run that overtakes the run (unit level).
+"""A worker and the cancel of a forwarded run that overtakes the run, and the claim of runs
+whose forwarder was lost (unit level).
 
 The front's cancel and the upstream worker's forward reach a worker on different connections,
 so the cancel can be read first; and a worker's own message to the front must not leave before
@@ -6,10 +7,11 @@ the forwards it made in the same loop turn (the front could otherwise cancel a r
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from omniflow.runtime._worker import CANCELLED_EARLY
-from omniflow.transport._protocol import Cancel, Done, Run
+from omniflow.transport._protocol import Cancel, Claim, Claimed, Done, Run
 
 from .test_worker_dones import A, B, sent, worker
 
@@ -69,5 +71,56 @@ def test_a_message_to_the_front_waits_behind_the_forwards_of_its_loop_turn() -> 
         assert [(m.c, m.a, m.f) for _, m in sent(w)] == [("c", 1, {"y": 1})]
         w._done(A, "c", 2, None, {"y": 2})  # nothing held: at once
         assert [(m.c, m.a) for _, m in sent(w)] == [("c", 2)]
+    finally:
+        w.plane.close()
+
+
+async def test_a_claim_lists_the_runs_not_here_which_then_never_run() -> None:
+    """Asked which of a lost forwarder's runs it holds, a worker first takes in what its
+    connections hold (``drain``), then lists the runs it does not hold: not one running here,
+    but one that never came and one another front runs; a listed run whose forward still
+    comes ends cancelled without running. A wire id that is not a str is dropped."""
+    w = worker()
+    gate = asyncio.Event()
+    ran: list[int] = []
+
+    async def slow(x: int) -> dict[str, Any]:
+        ran.append(x)
+        await gate.wait()
+        return {"y": x}
+
+    drains: list[int] = []
+
+    class Endpoint:
+        def drain(self) -> bool:
+            drains.append(len(w._running))
+            return True
+
+        def try_send(self, frames: list[Any], peer: bytes | None = None) -> bool:
+            return False  # (to the writer's queue, where ``sent`` reads it)
+
+    w._endpoint = Endpoint()
+    w._methods["slow"] = slow
+    try:
+        w._start(A, Run("c", "1.0.0", "slow", {"x": 1}, None, 0, 0, "g"))
+        w._start(B, Run("c", "1.2.0", "slow", {"x": 2}, None, 0, 0, "g"))
+        assert set(w._running) == {(A, "c", "1.0.0"), (B, "c", "1.2.0")}
+        w._handle(A, Claim(7, "c", ["1.0.0", "1.1.0", "1.2.0", 5]))
+        assert sent(w) == [] and drains == []  # (answered outside the batch that asked)
+        await asyncio.sleep(0)
+        assert drains == [2]
+        assert sent(w) == [(A, Claimed(7, "c", ["1.1.0", "1.2.0"]))]
+        assert w.wire.snapshot()["dropped_malformed"] == 1
+        w._start(A, Run("c", "1.1.0", "slow", {"x": 3}, None, 0, 0, "g"))  # late: never runs
+        ((peer, done),) = sent(w)
+        assert peer == A and (done.a, done.cancel) == ("1.1.0", True)
+        assert (A, "c", "1.1.0") not in w._running
+        gate.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sorted(ran) == [1, 2]
+        assert sorted((p, m.a) for p, m in sent(w) if type(m) is Done) == [
+            (A, "1.0.0"), (B, "1.2.0"),
+        ]  # fmt: skip
     finally:
         w.plane.close()

@@ -260,6 +260,47 @@ async def test_a_receiver_gets_every_message_in_order_from_the_reader_itself(
         assert not other.set_receiver(receiver)  # a transport without the path: recv_batch
 
 
+async def test_drain_hands_the_receiver_all_its_peers_wrote_before_it(sock_dir: Path) -> None:
+    """``drain``: what arrived but waits in the inbox, then everything peers wrote before the
+    call (small messages and big ones, on every connection), reaches the receiver before it
+    returns, no loop turn needed, in order per connection; nothing happens without a
+    receiver, and a transport that cannot tell says so."""
+    got: list[bytes] = []
+
+    def receiver(packets: list[Packet]) -> None:
+        got.extend(bytes(p.frames[0][:8]) for p in packets)
+
+    async with (
+        bind(f"uds://{sock_dir}/w.sock") as worker,
+        connect(worker.url) as a,
+        connect(worker.url) as b,
+    ):
+        for peer in (a, b):
+            assert peer.try_send([b"hello"])
+        await eventually(lambda: worker.statistics()["peers"] == 2, "both handshakes")
+        waiting = [b"w%07d" % i for i in range(MAX_DELIVERY + 3)]
+        for m in waiting:
+            assert a.try_send([m])
+        inbox = worker._in.packets  # type: ignore[attr-defined]
+        await eventually(lambda: len(inbox) == 2 + len(waiting), "the burst in the inbox")
+        assert not worker.drain()  # no receiver: nothing is handed anywhere
+        assert worker.set_receiver(receiver)  # (its delivery would come on the next turn)
+        got.clear()
+        small = [b"a%07d" % i for i in range(500)]
+        big = b"A-big---" + bytes(300_000)  # (read in a stream of its own)
+        for m in small:
+            assert a.try_send([m])
+        assert a.try_send([big])
+        for i in range(300):
+            assert b.try_send([b"b%07d" % i])
+        assert worker.drain()
+        assert [m for m in got if m[:1] != b"b"] == [b"hello", b"hello", *waiting, *small, big[:8]]
+        assert [m for m in got if m[:1] == b"b"] == [b"b%07d" % i for i in range(300)]
+    async with bind("inproc://no-drain") as other:
+        other.set_receiver(receiver)
+        assert not other.drain()
+
+
 #: A send: how (``try_send``, else ``send``), how many frames, and how big the first.
 _SENDS = st.lists(
     st.tuples(st.booleans(), st.integers(1, 3), st.sampled_from([0, 5, 100, 70_000])),
