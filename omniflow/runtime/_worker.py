@@ -242,9 +242,10 @@ class Worker:
         #: link address, and leaves as few messages as possible when the batch is handled
         #: (consecutive good ends to one peer gather in a ``_DoneBatch``: one ``Dones``).
         self._reading = False
-        #: Handling a batch of one run (a chain's hop): nothing to gather, so its forwards
-        #: and its end leave as they are made, forwards first (``_take``).
+        #: Handling a batch of one run (a chain's hop): nothing to gather, so its end leaves
+        #: as it is made and its forwards right after it (``_take``), here meanwhile.
         self._direct = False
+        self._after_end: list[tuple[str, list[Any]]] = []
         self._held: dict[bytes | None, list[list[Any] | _DoneBatch]] = {}
         #: (consecutive forwards to one link that differ only in id, value and SeqId index
         #: gather in a ``_FwdBatch``: one ``Forwards``).
@@ -458,8 +459,9 @@ class Worker:
     def _take(self, batch: list[Packet]) -> None:
         """Handle received messages; what they make leaves once all are handled, batched.
         A batch of one ``Run`` or ``Forward`` (each hop of a chain) has nothing to batch
-        with: what it makes leaves as it is made (``_direct``), in the same order (forwards,
-        then the messages to fronts) and as the same messages as from the flush."""
+        with: what it makes leaves at once (``_direct``), the same messages as from the
+        flush, but its end first and its forwards right after (design/ARCHITECTURE.md, *A
+        batch of one run*): the front accounts for the hop while the next worker runs."""
         self._reading = True
         try:
             for peer, frames in batch:
@@ -487,6 +489,10 @@ class Worker:
                     self._dropped("malformed", exc)
         finally:
             self._reading = self._direct = False
+            if self._after_end:
+                after, self._after_end = self._after_end, []
+                for address, envelope in after:
+                    self._link_send(address, envelope)
             self._flush_held()
 
     def _handle_one(self, peer: bytes | None, decode: Callable[[Any], Message], m: Any) -> None:
@@ -910,8 +916,8 @@ class Worker:
                         Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
                         route.group, q, fw.gr, route.off, route.th, route.conn, route.sub,
                     )  # fmt: skip
-                    if self._direct:
-                        self._link_send(route.address, envelope)
+                    if self._direct:  # (sent right after the run's end: ``_take``)
+                        self._after_end.append((route.address, envelope))
                     else:
                         self._held_for(route.address).append(envelope)
             except Exception as exc:  # not forwarded: the front runs it the slow way

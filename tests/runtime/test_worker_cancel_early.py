@@ -2,8 +2,9 @@
 whose forwarder was lost (unit level).
 
 The front's cancel and the upstream worker's forward reach a worker on different connections,
-so the cancel can be read first; and a worker's own message to the front must not leave before
-the forwards it made in the same loop turn (the front could otherwise cancel a run not sent)."""
+so the cancel can be read first (the more so as a lone run's end leaves before its forwards);
+on the held path, a worker's own message to the front leaves behind the forwards held for the
+same loop turn."""
 
 from __future__ import annotations
 

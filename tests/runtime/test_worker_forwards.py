@@ -315,18 +315,19 @@ def a_run(a: int, x: Any, routes: tuple[Route, ...], forwarded: bool) -> Run | F
     return Run("c", a, "n0", {"x": x}, None, 0, a, "g", None, None, None, raw)
 
 
-def test_a_batch_of_one_run_sends_its_forward_then_its_done_at_once() -> None:
+def test_a_batch_of_one_run_sends_its_done_then_its_forward_at_once() -> None:
     modes: list[tuple[bool, bool]] = []
     w, events = hop_worker(lambda x: modes.append((w._reading, w._direct)) or {"y": x + 1})
     try:
         w._take([Packet(A, encode_msg(a_run(1, 41, (ROUTE1,), False)))])
         assert modes == [(False, True)]  # (what it makes is not held for a flush)
         assert events == [
+            ("front", Done("c", 1, {"y": 42}, x=[[0, "1.0.0"]])),
             ("link:" + ADDR1, Forward("token-a", "m1-0", "c", "1.0.0", "m1", {"y": 42}, None,
                                       0, 1, "g")),
-            ("front", Done("c", 1, {"y": 42}, x=[[0, "1.0.0"]])),
         ]  # fmt: skip
         assert not w._held and not w._held_links and not w._fw and not w._direct
+        assert not w._after_end
     finally:
         w.plane.close()
 
@@ -371,8 +372,9 @@ def test_a_batch_of_one_sends_what_the_held_way_sends(
 ) -> None:
     """Whatever one run makes (a frame, one without the routed field, none, a bad return, a
     failure, a value the wire cannot carry; with no, one or two routes; from a front or
-    forwarded), sent at once it is the same messages, in the same order, as held and
-    flushed."""
+    forwarded), sent at once it is the same messages, in the same order on each connection,
+    as held and flushed; at once, the front's come before the forwards (the flush sends
+    forwards first)."""
 
     def returns(x: Any) -> Any:
         if shape == "raises":
@@ -397,10 +399,18 @@ def test_a_batch_of_one_sends_what_the_held_way_sends(
             return [(where, m._replace(tb=bool(m.tb)) if type(m) is Done else m)
                     for where, m in events]  # fmt: skip
 
-        assert comparable(direct_events) == comparable(held_events)
+        def on(where: str, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+            return [e for e in comparable(events) if e[0].startswith(where)]
+
+        for where in ("front", "link:"):
+            assert on(where, direct_events) == on(where, held_events)
+        assert len(direct_events) == len(held_events)
         assert direct_events  # (every run ends: at least its done)
+        kinds = [where for where, _ in direct_events]
+        assert kinds == sorted(kinds)  # ("front" < "link:...": the end first)
         for w in (direct, held):
             assert not w._held and not w._held_links and not w._fw and not w._offload
+            assert not w._after_end
     finally:
         direct.plane.close()
         held.plane.close()
