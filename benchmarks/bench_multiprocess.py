@@ -352,10 +352,10 @@ async def bench_chain(
     a time, over uds:// with the fast path (worker -> worker runs) and over ipc:// without it
     (``OMNIFLOW_FAST_PATH=0``), against a Ray Compiled Graph of 3 actors doing the same
     (``c3(c2(c1(x)))``), rounds interleaved, each begun with ``WARM`` unmeasured calls. The
-    compiled graph is compiled at the start of its
-    block and torn down at its end: its actors busy-poll while it exists (two cores' worth
-    here), which would otherwise slow down whatever runs beside it. Then each side's idle CPU
-    (front/driver + its 3 processes) over ``idle`` s."""
+    compiled graph is compiled at the start of its block and torn down at its end: its actors
+    busy-poll while it exists (two cores' worth here), which would otherwise slow down
+    whatever runs beside it. Then each side's idle CPU (front/driver + its 3 processes) over
+    ``idle`` s."""
     g = graphs["bm_chain3"]
     res: dict[str, Any] = {"omniflow": [], "omniflow_ipc": [], "ray_cg": [], "bare": []}
     actors: list[Any] = []
