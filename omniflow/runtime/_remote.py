@@ -251,8 +251,8 @@ class RemoteRoles:
         #: index, the replica that forwarded it) expected.
         self._expect: dict[str, tuple[str, _Plan, int, Replica]] | None = None
         #: Claims sent to replicas about runs whose forwarder was lost: request id ->
-        #: (the replica asked, call id, wire ids).
-        self._claims: dict[int, tuple[Replica, str, list[str]]] = {}
+        #: (the replica asked, call id, wire ids, the forwarder).
+        self._claims: dict[int, tuple[Replica, str, list[str], Replica]] = {}
         self._claim_ids = itertools.count(1)
         #: Forwarded runs bound while the core handled a frame (their early messages replay).
         self._bound: list[tuple[str, str]] = []
@@ -1023,7 +1023,7 @@ class RemoteRoles:
                         asked.setdefault((target, c), []).append(wid)
         for (target, c), wids in asked.items():
             r = next(self._claim_ids)
-            self._claims[r] = (target, c, wids)
+            self._claims[r] = (target, c, wids, via)
             target.out.put_nowait(encode_msg(Claim(r, c, wids)))
             logger.info(
                 "asked replica %s which of %d runs of call %s forwarded by lost replica %s "
@@ -1039,7 +1039,7 @@ class RemoteRoles:
             self.fleet.dropped(rep, "foreign", OmniflowError(f"an answer to claim {r}, not its"))
             return
         del self._claims[r]
-        asked = set(claim[2])
+        asked, via = set(claim[2]), claim[3].replica_id
         for wid in missing:
             if type(wid) is not str or wid not in asked:
                 self.fleet.dropped(rep, "malformed", OmniflowError(f"a claimed {wid!r:.40}"))
@@ -1051,7 +1051,6 @@ class RemoteRoles:
             self._orphans.setdefault(c, {})[wid] = rep
             self.orphaned += 1
             if p.error is None:
-                via = p.via.replica_id if p.via is not None else "?"
                 p.error = NodeError(
                     p.act.node,
                     f"replica lost: replica '{via}', which started this run on replica "
