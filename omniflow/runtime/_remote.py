@@ -1018,8 +1018,8 @@ class RemoteRoles:
         asked: dict[tuple[Replica, str], list[str]] = {}
         for (c, wid), p in self._pending.items():
             if p.via is via and type(wid) is str:
-                for target in p.replicas:
-                    if target.alive and target is not via:
+                for target in p.replicas:  # (never ``via``: ``_on_lost`` failed its runs)
+                    if target.alive:
                         asked.setdefault((target, c), []).append(wid)
         for (target, c), wids in asked.items():
             r = next(self._claim_ids)

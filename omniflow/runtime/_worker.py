@@ -566,10 +566,7 @@ class Worker:
                 if task is not None:
                     task.cancel()
                 elif type(a) is str:  # a forwarded run whose forward has not come (yet)
-                    early = self._cancelled_early
-                    early[(peer, c, a)] = None
-                    if len(early) > CANCELLED_EARLY:
-                        del early[next(iter(early))]
+                    self._cancel_early((peer, c, a))
             case Claim(r=r, c=c, ws=ws):
                 # Answered outside this batch: what the lost forwarder wrote to this worker
                 # before it went is read (and started) first (``_claimed``).
@@ -674,7 +671,6 @@ class Worker:
         if self._endpoint is not None:
             self._endpoint.drain()  # (the runs already here start first)
         missing = []
-        early = self._cancelled_early
         for wid in ws:
             if type(wid) is not str:
                 self._dropped("malformed", TransportError(f"a claim of {wid!r:.40}"))
@@ -682,10 +678,16 @@ class Worker:
             key = (peer, c, wid)
             if key not in self._running:
                 missing.append(wid)
-                early[key] = None
-        while len(early) > CANCELLED_EARLY:
-            del early[next(iter(early))]
+                self._cancel_early(key)
         self._send(peer, Claimed(r, c, missing))
+
+    def _cancel_early(self, key: _Key) -> None:
+        """Forwarded run ``key`` is cancelled before it came: if it comes, it ends at once as
+        cancelled (CANCELLED_EARLY kept at most, the oldest forgotten first)."""
+        early = self._cancelled_early
+        early[key] = None
+        if len(early) > CANCELLED_EARLY:
+            del early[next(iter(early))]
 
     def _for_here(self, ft: str, rid: str) -> bool:
         """Whether a forward for replica ``rid`` on behalf of front ``ft`` is this replica's

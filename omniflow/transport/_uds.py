@@ -217,10 +217,8 @@ class _UdsEndpoint(Endpoint):
         for conn in self._connections():
             if not conn.closed:
                 self._on_readable(conn)
-        packets = self._in.packets
-        while packets and self._receiver is receiver and self.state is EndpointState.OPEN:
-            n = min(len(packets), MAX_DELIVERY)
-            batch = [packets.popleft() for _ in range(n)]
+        while self._in.packets and self._receiver is receiver and self.state is EndpointState.OPEN:
+            batch = self._next_batch()
             self._delivered(batch)
             receiver(batch)
         return True
@@ -237,16 +235,22 @@ class _UdsEndpoint(Endpoint):
         receiver = self._receiver
         if receiver is None or not packets or self.state is not EndpointState.OPEN:
             return
-        if len(packets) <= MAX_DELIVERY:
-            batch = list(packets)
-            packets.clear()
-        else:
-            batch = [packets.popleft() for _ in range(MAX_DELIVERY)]
+        batch = self._next_batch()
+        if packets:
             self._delivering = True
             assert self._loop is not None
             self._loop.call_soon(self._deliver)
         self._delivered(batch)
         receiver(batch)
+
+    def _next_batch(self) -> list[Packet]:
+        """The next (at most MAX_DELIVERY) packets of the inbox, taken out of it."""
+        packets = self._in.packets
+        if len(packets) <= MAX_DELIVERY:
+            batch = list(packets)
+            packets.clear()
+            return batch
+        return [packets.popleft() for _ in range(MAX_DELIVERY)]
 
     @abstractmethod
     def _arrived(self, conn: Conn, messages: list[list[Buffer]]) -> None:
