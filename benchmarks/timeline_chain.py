@@ -8,13 +8,14 @@ window around ``await rt.run(...)``) and each step is printed at its median time
 call's start, with its median gap from the step before. Workers are named c1, c2, c3 by the
 order their runs start. The wrappers cost ~0.5 µs a stamp: read differences, not absolutes.
 
-    .venv/bin/python benchmarks/timeline_chain.py              # 3,000 calls, ~20 s
+    .venv/bin/python benchmarks/timeline_chain.py              # 3,000 calls, a few seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import os
 import pickle
 import statistics
@@ -107,8 +108,6 @@ def report(windows: list[tuple[float, float]], stamps: dict[int, list[tuple[str,
     front = os.getpid()
     merged = sorted((t, pid, tag) for pid, ss in stamps.items() for tag, t in ss)
     times = [m[0] for m in merged]
-    import bisect
-
     per_call = []
     for t0, t1 in windows:
         i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
