@@ -142,29 +142,28 @@ def report(windows: list[tuple[float, float]], stamps: dict[int, list[tuple[str,
 
 
 async def main(calls: int) -> None:
-    folder = Path(tempfile.mkdtemp(prefix="omniflow-trace-"))
-    (folder / "sitecustomize.py").write_text(HOOKS)
-    os.environ["OMNIFLOW_TRACE_DIR"] = str(folder)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(folder), os.getcwd(), os.environ.get("PYTHONPATH", "")) if p
-    )
-    hooks: dict[str, object] = {"__name__": "omniflow_trace_hooks"}
-    exec(HOOKS, hooks)
-    g = bm.load()["bm_chain3"]
-    windows = []
-    async with bm.in_workers(g, fast_path=True) as rt:
-        for i in range(300):
-            await rt.run("bm_chain3", {"x": i})
-        hooks["STAMPS"].clear()  # type: ignore[attr-defined]
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            await rt.run("bm_chain3", {"x": 1})
-            windows.append((t0, time.perf_counter()))
-    hooks["dump"]()  # type: ignore[operator]
-    report(windows, load(folder))
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
+    with tempfile.TemporaryDirectory(prefix="omniflow-trace-") as name:
+        folder = Path(name)
+        (folder / "sitecustomize.py").write_text(HOOKS)
+        os.environ["OMNIFLOW_TRACE_DIR"] = name
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (name, os.getcwd(), os.environ.get("PYTHONPATH", "")) if p
+        )
+        hooks: dict[str, object] = {"__name__": "omniflow_trace_hooks"}
+        exec(HOOKS, hooks)
+        g = bm.load()["bm_chain3"]
+        windows = []
+        async with bm.in_workers(g, fast_path=True) as rt:
+            for i in range(300):
+                await rt.run("bm_chain3", {"x": i})
+            hooks["STAMPS"].clear()  # type: ignore[attr-defined]
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await rt.run("bm_chain3", {"x": 1})
+                windows.append((t0, time.perf_counter()))
+        hooks["dump"]()  # type: ignore[operator]
+        stamps = load(folder)
+    report(windows, stamps)
 
 
 if __name__ == "__main__":
