@@ -38,5 +38,17 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=2000)
     parser.add_argument("--label", default=os.getcwd())
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="uvloop",
+        help="the front's event loop (uvloop: what `omniflow serve` runs on when installed; "
+        "chosen here by name, so that an older tree's copy runs the same)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.rounds, args.per_round, args.label))
+    if args.loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main(args.rounds, args.per_round, args.label))
+    else:
+        asyncio.run(main(args.rounds, args.per_round, args.label))

@@ -55,6 +55,7 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import omniflow as of
+from omniflow.transport import run_loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ray import idle_cpu  # the same measure as bench_ray's idle column
@@ -596,7 +597,7 @@ async def bench_replicas(
 # ---------------------------------------------------------------------------------- main
 
 
-async def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (~25 s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of the stream")
@@ -607,7 +608,16 @@ async def main() -> None:
         action="append",
         help="run only these parts (repeatable; default: all)",
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help=LOOP_HELP,
+    )
+    return ap.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
     graphs = load()
     rounds, per_round = (5, 200) if args.quick else (10, 400)
     repeats = 2 if args.quick else 3
@@ -616,7 +626,8 @@ async def main() -> None:
     print(
         f"python {platform.python_version()}, pyzmq {_z.pyzmq_version()}, libzmq "
         f"{_z.zmq_version()}, nproc {os.cpu_count()}, load average "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, front loop "
+        f"{type(asyncio.get_running_loop()).__module__.split('.')[0]}"
     )
 
     parts = set(args.only or ("hop", "stream", "chain", "replicas"))
@@ -697,5 +708,26 @@ async def report_replicas(graphs: dict[str, of.Graph], repeats: int) -> None:
         print(f"| {label} | {med:,.0f} | {med / base:.2f}x | {runs} |")
 
 
+def run_front(main: Any, loop: str) -> None:
+    """Run coroutine ``main`` (the front) on ``loop``: ``auto`` is what ``omniflow serve``
+    runs on (``transport.run_loop``), else ``asyncio`` or ``uvloop``."""
+    if loop == "asyncio":
+        asyncio.run(main)
+    elif loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        run_loop(main)
+
+
+#: The ``--loop`` option of the scripts that run a front (this one, ab_chain, timeline_chain).
+LOOP_HELP = (
+    "the front's event loop: auto (default) is what `omniflow serve` runs on "
+    "(transport.run_loop: uvloop when installed and the fast path is on)"
+)
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    cli = parse_args()
+    run_front(main(cli), cli.loop)

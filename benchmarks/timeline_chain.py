@@ -14,7 +14,6 @@ order their runs start. The wrappers cost ~0.5 µs a stamp: read differences, no
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
 import os
 import pickle
@@ -169,4 +168,8 @@ async def main(calls: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
-    asyncio.run(main(parser.parse_args().calls))
+    parser.add_argument(
+        "--loop", choices=("auto", "asyncio", "uvloop"), default="auto", help=bm.LOOP_HELP
+    )
+    args = parser.parse_args()
+    bm.run_front(main(args.calls), args.loop)

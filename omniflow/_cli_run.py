@@ -18,7 +18,6 @@ with ``--json``), 2 a usage error (bad ``--input``, missing file, unknown graph,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -110,6 +109,7 @@ def _pick(graphs: list[Graph], target: str, name: str | None) -> Graph:
 
 def run(args: argparse.Namespace) -> int:
     from omniflow._loader import load_graphs
+    from omniflow.transport import run_loop
 
     inputs: dict[str, Any] = {}
     for text in args.inputs:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(
             f"graph '{graph.name}' needs {', '.join(repr(m) for m in missing)}; add {hint}"
         )
-    return asyncio.run(_call(graphs, graph.name, inputs, args.session, args.json))
+    return run_loop(_call(graphs, graph.name, inputs, args.session, args.json))
 
 
 def _human(frame: Frame) -> str:

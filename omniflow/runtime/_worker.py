@@ -47,7 +47,7 @@ from omniflow.runtime._drive import Running, drive, finished, first_step, genera
 from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
-from omniflow.transport import bind, connect, fast_path_enabled
+from omniflow.transport import bind, connect, run_loop
 from omniflow.transport._auth import (
     Opener,
     PlainOpener,
@@ -1271,21 +1271,5 @@ def run_worker(make: Callable[[], Worker]) -> int:
     async def main() -> None:
         await make().run()
 
-    uvloop = _uvloop()
-    if uvloop is not None:
-        uvloop.run(main())
-    else:
-        asyncio.run(main())
+    run_loop(main())
     return 0
-
-
-def _uvloop() -> Any:
-    """uvloop when the fast path is on and it is installed (the ``fast`` extra), else None:
-    its event loop wakes up and dispatches a message in less time than asyncio's."""
-    if not fast_path_enabled():
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop

@@ -41,6 +41,7 @@ from omniflow._exceptions import OmniflowError
 from omniflow.serve._conn import protocol_class
 from omniflow.serve._logging import configure
 from omniflow.serve._state import ServeState
+from omniflow.transport import run_loop
 
 __all__ = ["Server", "serve"]
 
@@ -191,7 +192,7 @@ def serve(
             await state.close()
 
     try:
-        asyncio.run(main())
+        run_loop(main())
     finally:
         sock.close()
     if not server.started:

@@ -38,7 +38,13 @@ from omniflow.transport._codec import (
     decode_message,
     encode,
 )
-from omniflow.transport._fastpath import FAST_PATH_ENV, fast_path_enabled, is_local, local_url
+from omniflow.transport._fastpath import (
+    FAST_PATH_ENV,
+    fast_path_enabled,
+    is_local,
+    local_url,
+    run_loop,
+)
 from omniflow.transport._inproc import InprocTransport
 from omniflow.transport._loop import Handler, ReceiveLoop, recv_message, send_message
 from omniflow.transport._uds import UdsTransport
@@ -71,6 +77,7 @@ __all__ = [
     "local_url",
     "recv_message",
     "register_transport",
+    "run_loop",
     "send_message",
     "transport_for",
 ]

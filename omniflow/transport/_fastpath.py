@@ -12,16 +12,33 @@ On (the default): endpoints whose two ends share this node are ``uds://`` (``_ud
 Unix-domain sockets driven by the event loop). Off (``0``, ``false``, ``off``, ``no``): they are
 ``ipc://`` (pyzmq), as before the fast path existed. Spawned workers inherit the front's
 environment, so one setting covers a deployment; a front hands the setting to its Ray actors.
+
+The processes omniflow starts itself (workers, ``omniflow serve``, ``omniflow run``) run their
+event loop with ``run_loop``: on uvloop when the fast path is on and uvloop is installed (the
+``fast`` extra), else on asyncio's. A runtime embedded in an application runs in that
+application's loop, whichever it is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from typing import Final
+from collections.abc import Coroutine
+from typing import Any, Final, TypeVar
 
 from omniflow._exceptions import TransportError
 
-__all__ = ["FAST_PATH_ENV", "SPIN_ENV", "fast_path_enabled", "front_spin", "is_local", "local_url"]
+__all__ = [
+    "FAST_PATH_ENV",
+    "SPIN_ENV",
+    "fast_path_enabled",
+    "front_spin",
+    "is_local",
+    "local_url",
+    "run_loop",
+]
+
+T = TypeVar("T")
 
 #: The environment variable that turns the same-node fast path off (``0``) or on (default).
 FAST_PATH_ENV: Final = "OMNIFLOW_FAST_PATH"
@@ -82,3 +99,25 @@ def is_local(url: str) -> bool:
     """Whether ``url`` is a socket file on this node (``uds://``, ``ipc://``): its peer is
     another process on the same host."""
     return url.startswith(_LOCAL)
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to its end in a new event loop and return what it returns: on uvloop when
+    the fast path is on and uvloop is installed (its loop wakes up and dispatches a message in
+    less time than asyncio's), else on asyncio's (``asyncio.run``)."""
+    uvloop = _uvloop()
+    if uvloop is None:
+        return asyncio.run(main)
+    result: T = uvloop.run(main)
+    return result
+
+
+def _uvloop() -> Any:
+    """The uvloop module when the fast path is on and it is installed, else None."""
+    if not fast_path_enabled():
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop

@@ -11,6 +11,7 @@ import os
 import socket
 import stat
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from omniflow.transport import (
     fast_path_enabled,
     is_local,
     local_url,
+    run_loop,
 )
 from omniflow.transport._base import MAX_DELIVERY, Packet
 from omniflow.transport._udswire import HANDSHAKE, MAX_FRAME_BYTES, MAX_FRAMES
@@ -566,6 +568,44 @@ def test_fast_path_switch_refuses_nonsense(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(FAST_PATH_ENV, "maybe")
     with pytest.raises(TransportError, match="OMNIFLOW_FAST_PATH='maybe' is not a switch"):
         fast_path_enabled()
+
+
+async def _loop_module(result: int) -> tuple[str, int]:
+    """The top module of the running loop's class (``uvloop`` or ``asyncio``), and ``result``."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0], result
+
+
+@pytest.mark.parametrize(("value", "module"), [(None, "uvloop"), ("1", "uvloop"), ("0", "asyncio")])
+def test_run_loop_runs_on_uvloop_only_with_the_fast_path_on(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, module: str
+) -> None:
+    pytest.importorskip("uvloop")
+    if value is None:
+        monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAST_PATH_ENV, value)
+    assert run_loop(_loop_module(7)) == (module, 7)
+
+
+def test_run_loop_falls_back_to_asyncio_without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # (import uvloop raises ImportError)
+    assert run_loop(_loop_module(1)) == ("asyncio", 1)
+
+
+def test_run_loop_raises_what_main_raises_and_refuses_a_bad_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def fails() -> None:
+        raise KeyError("from main")
+
+    with pytest.raises(KeyError, match="from main"):
+        run_loop(fails())
+    monkeypatch.setenv(FAST_PATH_ENV, "maybe")
+    main = _loop_module(0)
+    with pytest.raises(TransportError, match="is not a switch"):
+        run_loop(main)
+    main.close()
 
 
 def test_is_local() -> None:
