@@ -104,8 +104,13 @@ def is_local(url: str) -> bool:
 def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to its end in a new event loop and return what it returns: on uvloop when
     the fast path is on and uvloop is installed (its loop wakes up and dispatches a message in
-    less time than asyncio's), else on asyncio's (``asyncio.run``)."""
-    uvloop = _uvloop()
+    less time than asyncio's), else on asyncio's (``asyncio.run``). A bad switch raises
+    TransportError with ``main`` closed, never run."""
+    try:
+        uvloop = _uvloop()
+    except TransportError:
+        main.close()
+        raise
     if uvloop is None:
         return asyncio.run(main)
     result: T = uvloop.run(main)
