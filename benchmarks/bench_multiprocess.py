@@ -614,11 +614,25 @@ def parse_args() -> argparse.Namespace:
         default="auto",
         help=LOOP_HELP,
     )
+    ap.add_argument(
+        "--workers",
+        choices=("auto", "spawn"),
+        default="auto",
+        help="how the fast path's workers start: auto (forked by the launcher's fork server "
+        "where it can, what a front does) or spawn (a fresh `python -m omniflow worker` each, "
+        "as with OMNIFLOW_FAST_PATH=0)",
+    )
     return ap.parse_args()
 
 
 async def main(args: argparse.Namespace) -> None:
     graphs = load()
+    if args.workers == "spawn":
+        from omniflow.runtime import _launch
+
+        _launch.forking_supported = lambda: False  # type: ignore[assignment]
+    from omniflow.runtime._launch import forking_supported
+
     rounds, per_round = (5, 200) if args.quick else (10, 400)
     repeats = 2 if args.quick else 3
     import zmq as _z
@@ -627,7 +641,8 @@ async def main(args: argparse.Namespace) -> None:
         f"python {platform.python_version()}, pyzmq {_z.pyzmq_version()}, libzmq "
         f"{_z.zmq_version()}, nproc {os.cpu_count()}, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, front loop "
-        f"{type(asyncio.get_running_loop()).__module__.split('.')[0]}"
+        f"{type(asyncio.get_running_loop()).__module__.split('.')[0]}, fast-path workers "
+        f"{'forked by a fork server' if forking_supported() else 'spawned'}"
     )
 
     parts = set(args.only or ("hop", "stream", "chain", "replicas"))

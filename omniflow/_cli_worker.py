@@ -91,3 +91,23 @@ def _run(args: argparse.Namespace) -> int:
             owner=args.owner,
         )
     )
+
+
+def fork_server() -> int:
+    """The program of a launcher's fork server (``runtime/_forkserver.py``, started as ``python
+    -c ENTRY FD``): import what every worker runs (this command line, the worker's runtime,
+    transport and codec, uvloop where installed), then fork workers on the connection at fd
+    FD; each child runs its ``omniflow`` command line as ``python -m omniflow`` would."""
+    import contextlib
+    import importlib
+    import os
+    import sys
+
+    import omniflow
+    from omniflow.cli import main
+    from omniflow.runtime import _forkserver, _worker  # noqa: F401  (shared with the children)
+
+    with contextlib.suppress(ImportError):
+        importlib.import_module("uvloop")
+    program = os.path.join(os.path.dirname(omniflow.__file__), "__main__.py")
+    return _forkserver.main(int(sys.argv[1]), main, program)

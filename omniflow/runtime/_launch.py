@@ -8,25 +8,37 @@
 ``RemoteRoles`` (``_remote``) asks a :class:`Launcher` to start one replica per slot of each
 process group and then talks to it only over the authenticated wire, at ``handle.address``.
 A launcher owns nothing else: it starts a replica, says whether it still runs, waits for its
-end, and kills it. :class:`SubprocessLauncher` (``omniflow worker`` as a child process on this
-host) is the default; ``_ray.RayLauncher`` (``placement=of.Ray(...)``: a Ray actor per
-replica, in its placement-group bundle) plugs in with the same interface.
+end, and kills it. :class:`SubprocessLauncher` (``omniflow worker`` as a process on this host,
+forked by a fork server where the fast path is on: ``_forkserver``) is the default;
+``_ray.RayLauncher`` (``placement=of.Ray(...)``: a Ray actor per replica, in its
+placement-group bundle) plugs in with the same interface.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from omniflow.runtime._forkserver import Forked, ForkServer, ForkServerError, forking_supported
 from omniflow.transport._auth import KEY_ENV
-from omniflow.transport._fastpath import local_url
+from omniflow.transport._fastpath import fast_path_enabled, local_url
 
-__all__ = ["LaunchSpec", "Launcher", "ReplicaHandle", "SubprocessHandle", "SubprocessLauncher"]
+__all__ = [
+    "ForkedHandle",
+    "LaunchSpec",
+    "Launcher",
+    "ReplicaHandle",
+    "SubprocessHandle",
+    "SubprocessLauncher",
+]
+
+logger = logging.getLogger("omniflow.runtime")
 
 #: Environment variable naming the file where a worker writes why it could not start.
 START_ERROR_ENV = "OMNIFLOW_START_ERROR_FILE"
@@ -139,20 +151,59 @@ class SubprocessHandle(ReplicaHandle):
             self.process.send_signal(signal.SIGKILL)
 
     def start_error(self) -> str | None:
-        with contextlib.suppress(OSError), open(self.err_file) as f:
-            return f.read(4000).strip() or None
-        return None
+        return _start_error(self.err_file)
+
+
+class ForkedHandle(ReplicaHandle):
+    """A worker forked by the launcher's fork server (``_forkserver``): the server reaps it
+    and reports its exit code; the front kills it through a pidfd."""
+
+    def __init__(self, child: Forked, address: str, err_file: str):
+        self.child = child
+        self.address = address
+        self.err_file = err_file
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.returncode
+
+    async def wait(self) -> int:
+        return await self.child.wait()
+
+    def kill(self) -> None:
+        self.child.kill()
+
+    def start_error(self) -> str | None:
+        return _start_error(self.err_file)
+
+
+def _start_error(err_file: str) -> str | None:
+    with contextlib.suppress(OSError), open(err_file) as f:
+        return f.read(4000).strip() or None
+    return None
 
 
 class SubprocessLauncher(Launcher):
-    """``python -m omniflow worker`` as a child process, bound to a socket in the front's
+    """``python -m omniflow worker`` as a process of its own, bound to a socket in the front's
     private directory: ``uds://`` (the same-node fast path), or ``ipc://`` when
-    ``OMNIFLOW_FAST_PATH=0``."""
+    ``OMNIFLOW_FAST_PATH=0``. With the fast path on (on Linux) the launcher's fork server
+    forks it instead of spawning it (``_forkserver``: the same command line, environment and
+    working directory); where a fork server cannot start or fork, it is spawned, with a
+    warning."""
 
-    async def start(self, spec: LaunchSpec) -> SubprocessHandle:
+    def __init__(self) -> None:
+        #: The fork servers started, one per working directory and environment they serve.
+        self._servers: list[ForkServer] = []
+        self._starting = asyncio.Lock()  # (starts come concurrently: one server each)
+
+    async def start(self, spec: LaunchSpec) -> SubprocessHandle | ForkedHandle:
         address = local_url(f"{spec.workdir}/w{spec.index}.sock")
         err_file = os.path.join(spec.workdir, f"{spec.replica_id}.err")
-        cmd = [sys.executable, "-m", "omniflow", "worker", *spec.modules]
+        cmd = ["worker", *spec.modules]
         for role in spec.roles:
             cmd += ["--role", role]
         # --parent-pid: the worker leaves when this process is gone (it runs in a session
@@ -166,9 +217,37 @@ class SubprocessLauncher(Launcher):
         # The cluster key travels in the environment (never argv), with the file where the
         # worker writes why it could not start (a failed setup(), a bad module).
         env = {**os.environ, KEY_ENV: spec.cluster_key.decode(), START_ERROR_ENV: err_file}
+        if fast_path_enabled() and forking_supported():
+            try:
+                child = await self._fork(cmd, env)
+            except ForkServerError as exc:
+                logger.warning("worker %s is spawned, not forked: %s", spec.replica_id, exc)
+            else:
+                return ForkedHandle(child, address, err_file)
         # A session of its own: Ctrl-C in the front's terminal must not kill the workers
         # before the front drains; the front stops them itself.
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env
-        )
+            sys.executable, "-m", "omniflow", *cmd,
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env,
+        )  # fmt: skip
         return SubprocessHandle(proc, address, err_file)
+
+    async def _fork(self, argv: list[str], env: dict[str, str]) -> Forked:
+        """Fork ``omniflow ARGV`` by the fork server for this directory and environment
+        (started on first use; one that is lost is replaced)."""
+        cwd = os.getcwd()
+        async with self._starting:
+            for server in self._servers:
+                if server.serves(cwd, env):
+                    break
+            else:
+                server = ForkServer(cwd, env, vary=(KEY_ENV, START_ERROR_ENV))
+                await server.start()
+                self._servers.append(server)
+        return await server.fork(argv, env)
+
+    async def close(self) -> None:
+        """Close the fork servers (the replicas they forked were stopped before)."""
+        servers, self._servers = self._servers, []
+        for server in servers:
+            await server.close()

@@ -385,9 +385,28 @@ class Worker:
                     logger.exception("teardown of %s failed", type(role).__name__)
 
     async def _watch_parent(self) -> None:
-        """Leave when the front that spawned this worker is gone (killed, crashed)."""
-        while os.getppid() == self.parent_pid:
-            await asyncio.sleep(0.25)
+        """Leave when the front that started this worker is gone (killed, crashed). Where
+        pidfds exist (Linux) its pidfd says so, with no polling; a worker forked by a fork
+        server (``_forkserver``) is not the front's child, so the parent cannot tell. Else
+        the front is the parent, and the parent changes when it dies."""
+        assert self.parent_pid is not None
+        try:
+            pidfd = os.pidfd_open(self.parent_pid)
+        except ProcessLookupError:
+            pidfd = None  # gone already
+        except (AttributeError, OSError):  # no pidfds here
+            while os.getppid() == self.parent_pid:
+                await asyncio.sleep(0.25)
+            pidfd = None
+        if pidfd is not None:
+            loop = asyncio.get_running_loop()
+            gone = loop.create_future()
+            loop.add_reader(pidfd, gone.set_result, None)  # (readable once it exited)
+            try:
+                await gone
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
         logger.warning("worker %s: its front (pid %s) is gone; leaving", self.replica_id,
                        self.parent_pid)  # fmt: skip
         self._stop.set()

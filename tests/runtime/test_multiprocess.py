@@ -622,8 +622,9 @@ asyncio.run(main())
 async def test_workers_leave_when_their_front_is_killed(
     procs: list[subprocess.Popen[bytes]],
 ) -> None:
-    """Spawned workers run in a session of their own (Ctrl-C in the front's terminal must not
-    reach them); a front that dies without stopping them must not leave them running."""
+    """Workers run in a session of their own (Ctrl-C in the front's terminal must not reach
+    them); a front that dies without stopping them must not leave them running, nor the fork
+    server that forked them (``runtime/_forkserver.py``)."""
     front_proc = subprocess.Popen(
         [sys.executable, "-c", FRONT, GRAPH_FILE],
         stdin=subprocess.DEVNULL,
@@ -636,13 +637,16 @@ async def test_workers_leave_when_their_front_is_killed(
         assert front_proc.stdout is not None
         worker = int(await asyncio.wait_for(asyncio.to_thread(front_proc.stdout.readline), 30))
         assert alive(worker)
+        with open(f"/proc/{worker}/stat") as f:
+            server = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+        assert server != front_proc.pid and alive(server)  # forked by the fork server
         front_proc.kill()
         front_proc.wait(10)
 
         async def gone() -> bool:
-            return not alive(worker)
+            return not alive(worker) and not alive(server)
 
-        await eventually(gone, "the orphaned worker exits", 30)
+        await eventually(gone, "the orphaned worker and fork server exit", 30)
     finally:
         if worker and alive(worker):
             os.kill(worker, signal.SIGKILL)
