@@ -11,7 +11,7 @@ would have had (``ForkServer.fork``), in a session of its own. Two things are ga
 - A hop between workers is cheaper: the workers' copies of what the fork server imported are
   the same physical pages until one of them writes there, so the three workers of a chain that
   run in turn on one CPU share cache lines instead of evicting three copies of the same code
-  (measured: the 3-worker chain's p50 -23%, benchmarks/README, *Workers forked from a fork
+  (measured: the 3-worker chain's p50 18-24% lower, benchmarks/README, *Workers forked by a fork
   server*).
 - A worker starts in a fork, not an interpreter start and a few hundred imports (restarts of
   a crashed replica included).

@@ -29,6 +29,7 @@ from omniflow.runtime._forkserver import ForkServer, ForkServerError
 from omniflow.runtime._launch import ForkedHandle, SubprocessHandle, SubprocessLauncher
 
 from . import fork_graphs as fg
+from .test_multiprocess import alive
 
 GRAPH_FILE = str(Path(fg.__file__).resolve())
 KEY = "test-cluster-key-0123456789abcdef"
@@ -50,15 +51,6 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str, within: fl
         if time.monotonic() - t0 > within:
             pytest.fail(f"not within {within:.0f}s: {what}")
         await asyncio.sleep(0.02)
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie no one reaped yet counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def launcher_of(rt: of.Runtime) -> SubprocessLauncher:
