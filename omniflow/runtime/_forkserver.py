@@ -360,6 +360,11 @@ class ForkServer:
                 "the fork server (pid %s) is lost (%s): killing its %d workers, to be respawned",
                 self.process.pid if self.process else "?", why, len(self._children),
             )  # fmt: skip
+        self._kill_children()
+
+    def _kill_children(self) -> None:
+        """Kill the children still running; each ends as killed (nobody can reap them for the
+        front once the connection is gone)."""
         for child in self._children.values():
             child.kill()
             child.ended(-signal.SIGKILL)
@@ -379,9 +384,6 @@ class ForkServer:
         if self.lost is None:
             self.lost = "closed"
             self._disconnect()
-        for child in self._children.values():
-            child.kill()
-            child.ended(-signal.SIGKILL)
-        self._children.clear()
+        self._kill_children()
         if self.process is not None:
             await self.process.wait()

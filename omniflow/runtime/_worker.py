@@ -400,8 +400,13 @@ class Worker:
             pidfd = None
         if pidfd is not None:
             loop = asyncio.get_running_loop()
-            gone = loop.create_future()
-            loop.add_reader(pidfd, gone.set_result, None)  # (readable once it exited)
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def exited() -> None:  # (readable once it exited, and from then on each turn)
+                if not gone.done():
+                    gone.set_result(None)
+
+            loop.add_reader(pidfd, exited)
             try:
                 await gone
             finally:
