@@ -248,7 +248,7 @@ class ForkServer:
         self.process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._replies: deque[asyncio.Future[tuple[dict[str, Any], list[int]]]] = deque()
+        self._replies: deque[asyncio.Future[Forked]] = deque()
         self._children: dict[int, Forked] = {}
         self._lock = asyncio.Lock()
         self.lost: str | None = None  #: why it is gone, once it is
@@ -290,7 +290,7 @@ class ForkServer:
             sock, loop = self._sock, self._loop
             if sock is None or loop is None or self.lost is not None:
                 raise ForkServerError(f"the fork server is gone: {self.lost or 'not started'}")
-            reply: asyncio.Future[tuple[dict[str, Any], list[int]]] = loop.create_future()
+            reply: asyncio.Future[Forked] = loop.create_future()
             self._replies.append(reply)
             try:
                 await loop.sock_sendall(sock, json.dumps({"argv": argv, "env": env}).encode())
@@ -299,17 +299,10 @@ class ForkServer:
                 self._lose(f"writing to it failed: {exc}")
                 raise ForkServerError(f"the fork server is gone: {self.lost}") from exc
             try:
-                message, fds = await asyncio.wait_for(reply, REPLY_TIMEOUT)
+                return await asyncio.wait_for(reply, REPLY_TIMEOUT)
             except TimeoutError:
                 self._lose(f"it did not answer a fork in {REPLY_TIMEOUT:.0f} s")
                 raise ForkServerError(f"the fork server is gone: {self.lost}") from None
-        pid = message.get("pid")
-        if type(pid) is not int or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise ForkServerError(f"the fork server refused: {message.get('error', message)}")
-        child = self._children[pid] = Forked(pid, fds[0], loop)
-        return child
 
     def _readable(self) -> None:
         sock = self._sock
@@ -338,11 +331,33 @@ class ForkServer:
                 child.ended(int(message["code"]))
             return
         if self._replies and type(message) is dict:
-            self._replies.popleft().set_result((message, fds))
+            self._answer(self._replies.popleft(), message, fds)
             return
         for fd in fds:
             os.close(fd)
         self._lose(f"it sent {raw[:80]!r}, which answers nothing asked")
+
+    def _answer(
+        self, reply: asyncio.Future[Forked], message: dict[str, Any], fds: list[int]
+    ) -> None:
+        """The answer to the fork ``reply`` waits for. A child is registered here, as its
+        answer is read, not when ``fork`` resumes: its exit report may be the very next
+        message (a worker that fails at once), read before then. A child whose fork was given
+        up on (cancelled) is killed; its exit is still reported, and reaped."""
+        pid = message.get("pid")
+        if type(pid) is not int or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if not reply.done():
+                error = message.get("error", message)
+                reply.set_exception(ForkServerError(f"the fork server refused: {error}"))
+            return
+        assert self._loop is not None
+        child = self._children[pid] = Forked(pid, fds[0], self._loop)
+        if reply.done():
+            child.kill()
+        else:
+            reply.set_result(child)
 
     def _lose(self, why: str) -> None:
         """The server is gone (or broke the protocol): no more forks through it; its children,
