@@ -211,6 +211,42 @@ def test_bad_requests_are_named() -> None:
         assert "must be" in str(parse(json.dumps(bad).encode()))
 
 
+def test_a_child_whose_fork_was_given_up_on_is_killed_and_still_reaped() -> None:
+    """A fork cancelled before its answer came (its caller gave up): the child the server
+    forked anyway is killed through its pidfd, not left running unowned, and its exit report
+    is still taken."""
+    orphan = subprocess.Popen(["sleep", "600"])
+    try:
+        asyncio.run(_given_up(orphan.pid))
+        assert orphan.wait(30) == -signal.SIGKILL
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+
+
+async def _given_up(target: int) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server = ForkServer(os.getcwd(), {})
+    server.attach(ours)
+    loop = asyncio.get_running_loop()
+    theirs.setblocking(False)
+    task = loop.create_task(server.fork(["--version"], {}))
+    await loop.sock_recv(theirs, 1 << 16)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pidfd = os.pidfd_open(target)
+    socket.send_fds(theirs, [json.dumps({"pid": target}).encode()], [pidfd])
+    os.close(pidfd)
+    await eventually(lambda: asyncio.sleep(0, target in server._children), "the answer read")
+    theirs.send(json.dumps({"exit": target, "code": -signal.SIGKILL}).encode())
+    await eventually(lambda: asyncio.sleep(0, not server._children), "the exit taken")
+    assert server.lost is None  # (the answer to a cancelled fork breaks nothing)
+    theirs.close()
+    await server.close()
+
+
 # ---------------------------------------------------------------- the front's side, any order
 
 #: One step of a scripted fork server: answer the next request (0: with a pid; 1: with an
