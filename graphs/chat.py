@@ -37,7 +37,12 @@ class Prompt(of.Role):
     async def last_user(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
         if not users:
-            raise ValueError("the conversation has no user message; add {'role': 'user', ...}")
+            # The request is wrong, not the graph: an InputError is the client's 400.
+            raise of.InputError(
+                "the conversation has no user message; add {'role': 'user', ...}",
+                graph="chat",
+                field="messages",
+            )
         return {"prompt": _content_text(users[-1].get("content"))}
 
 

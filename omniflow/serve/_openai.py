@@ -17,10 +17,19 @@ call in that session (turns of one conversation then reuse their cached prefix).
 ``"stream": true`` answers ``text/event-stream``: a first chunk with the assistant role, one
 ``chat.completion.chunk`` per text frame, a last chunk with the ``finish_reason``, then, as
 OpenAI does, one chunk with empty ``choices`` and the ``usage`` only when
-``stream_options.include_usage``, then ``data: [DONE]``. A call that ends in error sends
-``data: {"error": {...}}`` instead of the last chunk. Without streaming the answer is one
-``chat.completion`` object; a failed call is a 500 with ``x-should-retry: false`` (the graph
-failed; retrying the same request would fail the same way).
+``stream_options.include_usage``, then ``data: [DONE]``. The stream starts with the first
+text frame; a call that fails before it is answered as without streaming (below). A call that
+fails after it sends ``data: {"error": {...}}`` instead of the last chunk. Without streaming the
+answer is one ``chat.completion`` object.
+
+Validation (``_chat_request``): every field of the request is checked as OpenAI checks it
+(types, ranges, message roles and parts, ``stream_options`` only with ``stream``, fields nobody
+takes) before the graph runs; a bad one is a 400 ``invalid_request_error`` naming it in
+``param`` (``temperature: "hot"`` -> ``invalid_type``, param ``temperature``), and a ``model``
+that names no chat graph a 404 ``model_not_found``, as OpenAI answers. A node that refuses its
+input by raising ``of.InputError`` fails the call with a 400 too (``invalid_request_error``,
+``param`` the error's ``field``); any other node failure is a 500 ``server_error``. Both carry
+``x-should-retry: false``: the same request would fail the same way.
 
 Usage: a graph that emits a ``usage`` frame (a dict with ``prompt_tokens``,
 ``completion_tokens``, optionally ``cached_tokens`` and ``finish_reason``; the last one wins)
@@ -45,8 +54,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from omniflow._exceptions import InputError
+from omniflow._exceptions import InputError, NodeError
 from omniflow.runtime import Call, Runtime
+from omniflow.serve._chat_request import OPENAI_FIELDS, check_chat_request
 from omniflow.serve._codec import ValueDecodingError, dumps, loads
 from omniflow.serve._limits import bad_session
 from omniflow.serve._stream import CallResponse, call_status
@@ -61,25 +71,7 @@ __all__ = ["OPTIONAL_FIELDS", "chat_graphs", "openai_error", "routes"]
 #: Request fields that belong to the OpenAI protocol and are never graph inputs.
 _PROTOCOL_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "session"})
 #: OpenAI's optional chat request fields: a Placeholder named so is None when they are absent.
-OPTIONAL_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "n",
-        "user",
-        "presence_penalty",
-        "frequency_penalty",
-        "logprobs",
-        "top_logprobs",
-        "response_format",
-        "tools",
-        "tool_choice",
-    }
-)
+OPTIONAL_FIELDS = OPENAI_FIELDS - _PROTOCOL_FIELDS
 #: The header that names the session when the body does not.
 SESSION_HEADER = "x-omniflow-session"
 
@@ -146,30 +138,19 @@ async def _start_chat(request: Request, state: ServeState) -> Response | CallRes
         return openai_error(400, f"request body: {exc}")
     if not isinstance(body, dict):
         return openai_error(400, "request body must be a JSON object")
-    model = body.get("model")
-    models = chat_graphs(rt)
-    if not isinstance(model, str) or model not in models:
-        return openai_error(
-            404,
-            f"model {model!r} is not served here; the chat graphs are {models} (a graph serves "
-            "chat when it has a Placeholder 'messages' and an output 'text')",
-            param="model",
-            code="model_not_found",
-        )
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        return openai_error(400, "'messages' must be a list of message objects", param="messages")
-    stream = body.get("stream", False)
+    models = {name: rt.plans[name].inputs for name in chat_graphs(rt)}
+    invalid = check_chat_request(body, models)
+    if invalid is not None:
+        return openai_error(invalid.status, invalid.message, param=invalid.param, code=invalid.code)
+    model: str = body["model"]
     session = body.get("session", request.headers.get(SESSION_HEADER))
-    if not isinstance(stream, bool):
-        return openai_error(400, "'stream' must be a bool", param="stream")
     problem = bad_session(session)
     if problem is not None:
         return openai_error(400, problem, param="session")
-    inputs: dict[str, Any] = {"messages": messages}
+    inputs: dict[str, Any] = {"messages": body["messages"]}
     if body.get("max_tokens") is None and "max_completion_tokens" in body:
         body["max_tokens"] = body["max_completion_tokens"]
-    for name in rt.plans[model].inputs:
+    for name in models[model]:
         if name in _PROTOCOL_FIELDS:
             continue
         if name in body:
@@ -181,9 +162,9 @@ async def _start_chat(request: Request, state: ServeState) -> Response | CallRes
     except InputError as exc:
         return openai_error(400, str(exc), param=exc.field)
     state.enter(call)
-    options = body.get("stream_options")
-    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    if stream:
+    options = body.get("stream_options") or {}
+    include_usage = bool(options.get("include_usage"))
+    if body.get("stream"):
         return ChatStreamResponse(state, call, include_usage=include_usage)
     return ChatResponse(state, call)
 
@@ -199,8 +180,60 @@ def _error_message(call: Call, errors: list[dict[str, Any]]) -> str:
     return f"graph '{call.graph}', node '{e['node']}': {e['message']}"
 
 
+def _input_error(call: Call) -> NodeError | None:
+    """The graph's own ``InputError`` that failed ``call`` (a node refused the request's
+    input), in any placement (across processes only its type name survives)."""
+    for err in call.errors:
+        if err.kind == "error" and (
+            err.exc_type == "InputError" or isinstance(err.__cause__, InputError)
+        ):
+            return err
+    return None
+
+
+def _failure(call: Call, errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """A failed call as an HTTP status and OpenAI error object: 400 when a node raised
+    ``InputError`` (the request is wrong: retrying it cannot help), else 500."""
+    refused = _input_error(call)
+    if refused is not None:
+        message = refused.message.removeprefix("InputError: ")
+        field = getattr(refused.__cause__, "field", None) or refused.field
+        error = {
+            "message": f"graph '{call.graph}', node '{refused.node}': {message}",
+            "type": "invalid_request_error",
+            "param": field,
+            "code": None,
+        }
+        return 400, {"error": error}
+    error = {
+        "message": _error_message(call, errors),
+        "type": "server_error",
+        "param": None,
+        "code": call.status if call.status != "ok" else "error",
+    }
+    return 500, {"error": error}
+
+
+async def _send_json(resp: CallResponse, send: Send, status: int, obj: dict[str, Any]) -> None:
+    body = dumps(obj)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if status >= 400:
+        # The call failed on what the request asked: the same request fails the same way.
+        headers.append((b"x-should-retry", b"false"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await resp._finish(send, body)
+
+
 class ChatStreamResponse(CallResponse):
-    """Server-sent events of ``chat.completion.chunk`` objects, then ``data: [DONE]``."""
+    """Server-sent events of ``chat.completion.chunk`` objects, then ``data: [DONE]``.
+
+    The response starts with the call's first text frame: a call that fails before it has
+    said anything is answered as without streaming (a 400 for the graph's ``InputError``,
+    else a 500), so the client's ``create(stream=True)`` raises as OpenAI's does for a bad
+    request, instead of a 200 whose stream holds an error."""
 
     def __init__(self, state: ServeState, call: Call, *, include_usage: bool) -> None:
         super().__init__(state, call)
@@ -227,13 +260,25 @@ class ChatStreamResponse(CallResponse):
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        first = delta({"role": "assistant", "content": ""})
-        http.bytes_out += len(first)
-        await self.send_chunk(first)
         n = 0
         tally = _Usage()
         async with contextlib.aclosing(_text_frames(self, tally)) as texts:
+            first = await anext(texts, None)
+            if first is None:
+                status, errors = call_status(call, self.extra_errors)
+                if status != "ok":
+                    if not self.disconnected:
+                        await _send_json(self, send, *_failure(call, errors))
+                    return
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            opening = delta({"role": "assistant", "content": ""})
+            http.bytes_out += len(opening)
+            await self.send_chunk(opening)
+            if first is not None:
+                chunk = delta({"content": first})
+                await self.send_chunk(chunk)
+                n += 1
+                http.bytes_out += len(chunk)
             async for frame in texts:
                 if self.disconnected:
                     continue
@@ -263,46 +308,29 @@ class ChatResponse(CallResponse):
             parts = [t async for t in texts]
         if self.disconnected:
             return
-        status, errors = call_status(call, self.extra_errors)
-        if status == "ok":
-            n = len(parts)
-            code = 200
-            obj: dict[str, Any] = {
-                "id": f"chatcmpl-{call.call_id}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": call.graph,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "".join(parts)},
-                        "logprobs": None,
-                        "finish_reason": tally.finish_reason(),
-                    }
-                ],
-                "usage": tally.usage(n),
-            }
-        else:
-            code = 500
-            obj = {
-                "error": {
-                    "message": _error_message(call, errors),
-                    "type": "server_error",
-                    "param": None,
-                    "code": status,
-                }
-            }
-        body = dumps(obj)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-should-retry", b"false"),
-        ]
         self.state.http.frames_out[call.graph] = self.state.http.frames_out.get(
             call.graph, 0
         ) + len(parts)
-        await send({"type": "http.response.start", "status": code, "headers": headers})
-        await self._finish(send, body)
+        status, errors = call_status(call, self.extra_errors)
+        if status != "ok":
+            await _send_json(self, send, *_failure(call, errors))
+            return
+        obj: dict[str, Any] = {
+            "id": f"chatcmpl-{call.call_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": call.graph,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "logprobs": None,
+                    "finish_reason": tally.finish_reason(),
+                }
+            ],
+            "usage": tally.usage(len(parts)),
+        }
+        await _send_json(self, send, 200, obj)
 
 
 class _Usage:

@@ -353,9 +353,12 @@ async def test_openai_routes_errors_in_openai_shape(inproc: Factory, tmp_path: P
     user = [{"role": "user", "content": "x y"}]
     cases: list[tuple[Any, int, str | None]] = [
         (b"nope", 400, None),
+        (b"[1]", 400, None),
         ({"model": "gpt", "messages": user}, 404, "model_not_found"),
-        ({"model": "chat", "messages": "hi"}, 400, None),
-        ({"model": "chat", "messages": user, "stream": 1}, 400, None),
+        ({"model": "chat", "messages": "hi"}, 400, "invalid_type"),
+        ({"model": "chat", "messages": user, "stream": 1}, 400, "invalid_type"),
+        ({"model": "chat", "messages": user, "temperature": "hot"}, 400, "invalid_type"),
+        ({"model": "chat", "messages": user, "session": 3}, 400, None),
     ]
     for body, status, code in cases:
         kw: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -377,7 +380,7 @@ async def test_openai_routes_errors_in_openai_shape(inproc: Factory, tmp_path: P
     await first
     r = await c.post(
         "/v1/chat/completions",
-        json={"model": "chat", "messages": user, "stream": True, "stream_options": [1]},
+        json={"model": "chat", "messages": user, "stream": True, "stream_options": {}},
     )
     events = [ln for ln in r.text.split("\n\n") if ln]
     assert events[-1] == "data: [DONE]"
