@@ -23,16 +23,28 @@ class EngineError(OmniflowError):
 
 
 class ModelLoadError(EngineError):
-    """A model directory could not be loaded; ``path`` names the file at fault.
+    """A model directory could not be loaded; ``path`` names the file at fault, ``field`` the
+    config field and ``tensor`` the checkpoint tensor it cannot honour.
 
     >>> ModelLoadError("config.json: missing field 'vocab_size'", path="m/config.json").path
     'm/config.json'
     """
 
-    def __init__(self, message: str, *, path: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        field: str | None = None,
+        tensor: str | None = None,
+    ) -> None:
         super().__init__(message)
         #: The file or directory concerned.
         self.path = path
+        #: The ``config.json`` field whose value is refused (None: not a config value).
+        self.field = field
+        #: The checkpoint tensor that is unexpected, missing or misshapen (None: not a tensor).
+        self.tensor = tensor
 
 
 class RequestError(EngineError, ValueError):

@@ -4,7 +4,8 @@
 
 Sharded checkpoints are read through ``model.safetensors.index.json``; single-file ones from
 ``model.safetensors``. Tied embeddings (no ``lm_head.weight``) share the embedding matrix. Tensors
-are read one at a time and moved straight to the target device and dtype.
+are read one at a time and moved straight to the target device and dtype. Every tensor is used or
+the checkpoint is refused naming it (``_weights.check_tensors``): a weight is never dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import ModelLoadError
 from omniflow.compute._model import LlamaModel
+from omniflow.compute._rope import inv_frequencies
+from omniflow.compute._weights import check_tensors
 
 __all__ = [
     "checkpoint_mismatch",
@@ -133,13 +136,9 @@ def load_model(
     root = Path(model_dir)
     cfg = ModelConfig.from_dir(root)
     dev, weights = load_checkpoint(root, cfg, device, dtype)
-    if cfg.tie_word_embeddings:  # the embedding matrix is the output head (as transformers ties)
-        weights.pop("lm_head.weight", None)
-    try:
-        return LlamaModel(cfg, weights, dev)
-    except KeyError as exc:
-        raise checkpoint_mismatch(
-            root,
-            f"tensor {exc.args[0]!r} is missing from the safetensors files",
-            f"{cfg.model_type}, {cfg.num_layers} layers",
-        ) from exc
+    inv_freqs = [
+        inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_params),
+        inv_frequencies(cfg.head_dim, cfg.rope_theta, "default", {}),
+    ]
+    check_tensors(weights, cfg, inv_freqs, str(root))
+    return LlamaModel(cfg, weights, dev)

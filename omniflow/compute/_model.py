@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.compute._config import ModelConfig
-from omniflow.compute._rope import RotaryEmbedding, apply_rotary, inv_frequencies
+from omniflow.compute._rope import (
+    RotaryEmbedding,
+    apply_rotary,
+    attention_scaling,
+    inv_frequencies,
+)
 
 __all__ = ["ForwardBatch", "LlamaModel", "SeqSlice"]
 
@@ -58,23 +63,26 @@ class ForwardBatch:
 
 
 class _Layer:
-    __slots__ = ("down", "gate", "k", "k_b", "ln1", "ln2", "o", "q", "q_b", "up", "v", "v_b")
+    """One decoder layer's tensors; a bias is None where the architecture has none."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str) -> None:
+    __slots__ = (
+        "down", "down_b", "gate", "gate_b", "k", "k_b", "ln1", "ln2", "o", "o_b", "q", "q_b",
+        "up", "up_b", "v", "v_b",
+    )  # fmt: skip
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.q, self.k, self.v = (
-            w[a + "q_proj.weight"],
-            w[a + "k_proj.weight"],
-            w[a + "v_proj.weight"],
-        )
-        self.q_b, self.k_b = w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias")
-        self.v_b = w.get(a + "v_proj.bias")
-        self.o = w[a + "o_proj.weight"]
-        self.gate, self.up, self.down = (
-            w[m + "gate_proj.weight"],
-            w[m + "up_proj.weight"],
-            w[m + "down_proj.weight"],
-        )
+
+        def linear(name: str, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return w[name + ".weight"], w[name + ".bias"] if bias else None
+
+        self.q, self.q_b = linear(a + "q_proj", cfg.attention_bias)
+        self.k, self.k_b = linear(a + "k_proj", cfg.attention_bias)
+        self.v, self.v_b = linear(a + "v_proj", cfg.attention_bias)
+        self.o, self.o_b = linear(a + "o_proj", cfg.o_bias)
+        self.gate, self.gate_b = linear(m + "gate_proj", cfg.mlp_bias)
+        self.up, self.up_b = linear(m + "up_proj", cfg.mlp_bias)
+        self.down, self.down_b = linear(m + "down_proj", cfg.mlp_bias)
         self.ln1 = w[prefix + "input_layernorm.weight"]
         self.ln2 = w[prefix + "post_attention_layernorm.weight"]
 
@@ -88,7 +96,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Weights of a Llama-family decoder and its forward pass over paged KV."""
+    """Weights of a Llama-family decoder and its forward pass over paged KV.
+
+    ``weights`` must hold what ``_weights.expected_tensors(cfg)`` lists (``load_model``
+    checks that first); every tensor listed is used."""
 
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device
@@ -96,13 +107,17 @@ class LlamaModel:
         self.cfg = cfg  #: the model's shape
         self.device = device  #: where weights and activations live
         self.embed = weights["model.embed_tokens.weight"]  #: (vocab, hidden)
-        self.lm_head = weights.get("lm_head.weight", self.embed)  #: tied when absent
+        #: (vocab, hidden) output head: the embedding itself when tied
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]  #: final RMSNorm
-        self.layers = [_Layer(weights, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.layers = [_Layer(weights, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)]
         self.dtype = self.embed.dtype  #: compute dtype (float32, bfloat16, float16)
         inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_params)
-        self.rope = RotaryEmbedding(inv.to(device))
+        scaling = attention_scaling(cfg.rope_type, cfg.rope_params)
+        self.rope = RotaryEmbedding(inv.to(device), scaling)
         self.scale = cfg.head_dim**-0.5
+        #: each layer's sliding window (None: full attention)
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -112,18 +127,23 @@ class LlamaModel:
         if batch.embeds is not None and batch.embed_rows is not None:
             h[batch.embed_rows] = batch.embeds.to(h.dtype)
         cos, sin = self.rope(batch.positions, h.dtype)
-        masks = [_mask(s, cfg.sliding_window, h.device) for s in batch.seqs]
-        decode = _DecodeGroup.build(batch.seqs, cfg.sliding_window)
+        # masks and the decode group per distinct window (Qwen2 may mix full and sliding)
+        plans = {
+            w: ([_mask(s, w, h.device) for s in batch.seqs], _DecodeGroup.build(batch.seqs, w))
+            for w in set(self.windows)
+        }
         for li, layer in enumerate(self.layers):
+            masks, decode = plans[self.windows[li]]
             x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
             q = F.linear(x, layer.q, layer.q_b).view(-1, cfg.num_heads, cfg.head_dim)
             k = F.linear(x, layer.k, layer.k_b).view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = F.linear(x, layer.v, layer.v_b).view(-1, cfg.num_kv_heads, cfg.head_dim)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attention(li, q, k, v, batch.seqs, masks, decode)
-            h = h + F.linear(attn, layer.o)
+            h = h + F.linear(attn, layer.o, layer.o_b)
             x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)
-            h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+            gate = F.silu(F.linear(x, layer.gate, layer.gate_b))
+            h = h + F.linear(gate * F.linear(x, layer.up, layer.up_b), layer.down, layer.down_b)
         last = _last_rows(batch.seqs, h.device)
         out = rms_norm(h[last], self.norm, cfg.rms_norm_eps)
         return F.linear(out, self.lm_head).float()

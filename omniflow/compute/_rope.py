@@ -1,4 +1,4 @@
-"""Rotary position embeddings with the config's scaling (default, linear, llama3).
+"""Rotary position embeddings with the config's scaling (default, linear, llama3, yarn).
 
 >>> import torch
 >>> from omniflow.compute._rope import inv_frequencies
@@ -6,7 +6,8 @@
 torch.Size([4])
 
 The frequencies and the cos/sin tables are computed in float32 exactly as the reference
-implementation does, so logits match it token for token.
+implementation does (transformers' ``ROPE_INIT_FUNCTIONS``), so logits match it token for token.
+YaRN also scales cos and sin by its ``attention_factor``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 
 import torch
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "inv_frequencies"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "attention_scaling", "inv_frequencies"]
 
 
 def inv_frequencies(
@@ -28,7 +29,14 @@ def inv_frequencies(
         return inv / params["factor"]
     if rope_type == "llama3":
         return _llama3(inv, params)
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, params)
     return inv
+
+
+def attention_scaling(rope_type: str, params: dict[str, float]) -> float:
+    """The factor cos and sin are scaled by (YaRN's ``attention_factor``; 1 for the others)."""
+    return params["attention_factor"] if rope_type == "yarn" else 1.0
 
 
 def _llama3(inv: torch.Tensor, p: dict[str, float]) -> torch.Tensor:
@@ -43,13 +51,33 @@ def _llama3(inv: torch.Tensor, p: dict[str, float]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(dim: int, base: float, p: dict[str, float]) -> torch.Tensor:
+    factor, original = p["factor"], p["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the share of each frequency left unscaled
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
 class RotaryEmbedding:
     """cos/sin for arbitrary positions; one instance per model, on the model's device."""
 
-    __slots__ = ("inv_freq",)
+    __slots__ = ("inv_freq", "scaling")
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
+    def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq  #: (head_dim // 2,) float32
+        self.scaling = scaling  #: cos and sin are scaled by it (``attention_scaling``)
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -57,7 +85,10 @@ class RotaryEmbedding:
         """cos, sin of shape (T, head_dim) for integer ``positions`` of shape (T,)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

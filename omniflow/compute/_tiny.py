@@ -4,7 +4,10 @@
 
 No model hub is needed: the weights are random (its words are noise) but the directory has the
 exact layout of a real checkpoint (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json with a chat template), so the real loading code runs on it unchanged.
+tokenizer_config.json with a chat template), so the real loading code runs on it unchanged. It is
+written with what ``omniflow[compute]`` installs (torch, safetensors, tokenizers): transformers
+is not needed. Every tensor is random, norms and biases too (not left at their init constants 1
+and 0), so a loader that dropped or misplaced one would compute other tokens than transformers.
 """
 
 from __future__ import annotations
@@ -72,18 +75,29 @@ def make_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     seed: int = 0,
-    max_shard_size: str | None = None,
+    max_shard_size: str | int | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a random-init ``arch`` ("llama" | "qwen2" | "mistral") model with a tokenizer."""
-    import torch
-    import transformers as tf
+    """Write a random-init ``arch`` ("llama" | "qwen2" | "mistral") model with a tokenizer.
 
+    ``overrides`` are further ``config.json`` fields (``attention_bias=True``, ``head_dim=32``,
+    ``rope_scaling={...}``, ...); the tensors written are the ones that config reads.
+    ``max_shard_size`` ("40KB", "2MiB" or bytes) splits the weights into shards with a
+    ``model.safetensors.index.json``, as ``save_pretrained`` does."""
+    import torch
+
+    from omniflow.compute._config import SUPPORTED_MODEL_TYPES, ModelConfig
+    from omniflow.compute._weights import expected_tensors
+
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"arch {arch!r}: one of {sorted(SUPPORTED_MODEL_TYPES)}")
     root = Path(out)
     vocab = train_tokenizer(root)
     eos = json.loads((root / "tokenizer.json").read_text())["added_tokens"]
     ids = {t["content"]: t["id"] for t in eos}
-    kwargs: dict[str, Any] = {
+    config: dict[str, Any] = {
+        "architectures": [f"{SUPPORTED_MODEL_TYPES[arch]}ForCausalLM"],
+        "model_type": arch,
         "hidden_size": hidden_size,
         "intermediate_size": hidden_size * 2,
         "num_hidden_layers": layers,
@@ -91,30 +105,68 @@ def make_tiny_model(
         "num_key_value_heads": kv_heads,
         "vocab_size": vocab,
         "max_position_embeddings": 4096,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
         "bos_token_id": ids["<s>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["</s>"],
+        "torch_dtype": "float32",
         **overrides,
     }
-    classes = {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-    }
-    config_cls, model_cls = classes[arch]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs))
-    if arch == "qwen2":  # random biases, so a loader that drops them fails the equivalence
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.5)
-    save: dict[str, Any] = {}
-    if max_shard_size is not None:
-        save["max_shard_size"] = max_shard_size
-    model.save_pretrained(root, **save)
+    cfg = ModelConfig.from_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in expected_tensors(cfg).items():
+        noise = torch.randn(shape, generator=gen)
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.2 * noise  # RMSNorm gains around 1
+        elif name.endswith(".bias"):
+            tensors[name] = 0.2 * noise
+        else:
+            tensors[name] = 0.02 * noise  # transformers' initializer_range
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    _save(root, tensors, None if max_shard_size is None else _bytes(max_shard_size))
     return root
+
+
+def _save(root: Path, tensors: dict[str, Any], shard_bytes: int | None) -> None:
+    """``model.safetensors``, or shards of at most ``shard_bytes`` and their index."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard_bytes is not None and shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(root / "model.safetensors"), metadata=meta)
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / file), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+
+
+def _bytes(size: str | int) -> int:
+    """``"40KB"`` -> 40000 (``save_pretrained``'s spelling: KB is 10**3, KiB 2**10)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit, scale in _UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)

@@ -15,7 +15,8 @@ from omniflow.compute import GenerateRequest, SamplingParams, TorchEngine
 from omniflow.compute._tiny import make_tiny_model
 
 #: name -> (arch, extra config). Sharded Mistral exercises the safetensors index; the Llama
-#: variants cover the RoPE scalings; tied embeddings ride on one of them.
+#: variants cover the RoPE scalings and every flag Llama reads (tied embeddings ride on one of
+#: them); Qwen2 slides some layers, Mistral every layer. Each is checked against transformers.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "llama3rope": (
@@ -34,6 +35,25 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "linrope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "layers": 3}),
     "qwen2": ("qwen2", {"kv_heads": 1}),
     "mistral": ("mistral", {"max_shard_size": "40KB", "sliding_window": 48, "head_dim": 32}),
+    "attn_bias": ("llama", {"attention_bias": True}),  # q/k/v and o_proj biases
+    "mlp_bias": ("llama", {"mlp_bias": True}),
+    "head_dim": ("llama", {"head_dim": 32}),  # not hidden_size // heads (16)
+    "yarn": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "max_position_embeddings": 128,
+        },
+    ),
+    # layer 0 attends to everything, layer 1 to its last 24 positions
+    "qwen2_window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+    ),
 }
 
 
@@ -62,7 +82,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 @pytest.fixture(scope="session")
 def reference() -> Callable[[Path], Any]:
-    """The transformers model of a directory (cached per directory)."""
+    """The transformers model of a directory (cached per directory); it must find exactly the
+    tensors it expects, so a tensor it would initialise itself (a bias at 0) cannot hide."""
     cache: dict[Path, Any] = {}
 
     def get(path: Path) -> Any:
@@ -71,7 +92,9 @@ def reference() -> Callable[[Path], Any]:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cache[path] = AutoModelForCausalLM.from_pretrained(path).eval()
+                model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+            assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+            cache[path] = model.eval()
         return cache[path]
 
     return get

@@ -1,4 +1,5 @@
-"""Greedy generation equals transformers' ``generate`` token for token (float32)."""
+"""Greedy generation equals transformers' ``generate`` token for token (float32), and the logits
+of every tiny checkpoint (one per config flag, ``conftest.MODELS``) are transformers' logits."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from omniflow.compute import GenerateRequest
+from omniflow.compute._loader import load_model
+from omniflow.compute._model import ForwardBatch, SeqSlice
 
 from .conftest import EXECUTORS, MODELS, greedy, hf_greedy, run
 
@@ -32,6 +36,34 @@ async def test_single_request_matches_transformers(
     got, cached = await run(engine, GenerateRequest(input_ids=ids, sampling=greedy()))
     assert got == hf_greedy(reference(path), ids, 64)
     assert cached == 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_match_transformers(
+    name: str, model_dirs: Callable[[str], Path], reference: Any
+) -> None:
+    """A 70-token prompt (past every window and YaRN's original context) prefilled in two
+    chunks, the second reading the first from its pages: the last row's logits are the ones
+    transformers computes for the whole prompt."""
+    path = model_dirs(name)
+    model = load_model(path, device="cpu", dtype="float32")
+    cfg = model.cfg
+    ids = torch.tensor(prompt(70))
+
+    def pages() -> list[list[torch.Tensor]]:
+        return [
+            [torch.zeros(16, cfg.num_kv_heads, cfg.head_dim) for _ in range(5)]
+            for _ in range(cfg.num_layers)
+        ]
+
+    k, v = pages(), pages()
+    first = ForwardBatch(ids[:40], torch.arange(40), [SeqSlice(0, 40, k, v, want_logits=False)])
+    model.forward(first)
+    second = ForwardBatch(ids[40:], torch.arange(40, 70), [SeqSlice(40, 30, k, v)])
+    got = model.forward(second)[0]
+    with torch.no_grad():
+        want = reference(path)(ids[None]).logits[0, -1].float()
+    assert torch.allclose(got, want, atol=2e-5, rtol=0), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from omniflow.compute import ModelLoadError
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._loader import load_model, resolve_device
 from omniflow.compute._model import ForwardBatch, SeqSlice
-from omniflow.compute._rope import inv_frequencies
+from omniflow.compute._rope import attention_scaling, inv_frequencies
 
 BASE = {
     "model_type": "llama",
@@ -41,17 +40,80 @@ def test_qwen2_defaults_to_biases_and_no_window() -> None:
 
 
 @pytest.mark.parametrize(
-    ("raw", "match"),
+    ("raw", "field", "match"),
     [
-        ({**BASE, "model_type": "gpt2"}, "not supported"),
-        ({k: v for k, v in BASE.items() if k != "vocab_size"}, "vocab_size"),
-        ({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
-        ({**BASE, "rope_scaling": {"rope_type": "linear"}}, "factor"),
+        ({**BASE, "model_type": "gpt2"}, "model_type", "not supported"),
+        ({k: v for k, v in BASE.items() if k != "vocab_size"}, "vocab_size", "vocab_size"),
+        (
+            {**BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_scaling",
+            "'dynamic' .*frequencies change with the length",
+        ),
+        (
+            {**BASE, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+            "rope_parameters",
+            "'longrope'",
+        ),
+        ({**BASE, "rope_scaling": {"rope_type": "linear"}}, "rope_scaling", "factor"),
+        ({**BASE, "partial_rotary_factor": 0.5}, "partial_rotary_factor", "whole head"),
+        ({**BASE, "hidden_act": "gelu"}, "hidden_act", "'gelu' is not supported"),
+        (
+            {**BASE, "model_type": "qwen2", "use_sliding_window": True, "layer_types": ["x", "y"]},
+            "layer_types",
+            "layer_types",
+        ),
     ],
 )
-def test_bad_configs_are_named(raw: dict[str, Any], match: str) -> None:
-    with pytest.raises(ModelLoadError, match=match):
+def test_bad_configs_are_refused_naming_the_field(
+    raw: dict[str, Any], field: str, match: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=match) as err:
         ModelConfig.from_dict(raw)
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "windows"),
+    [
+        ("llama", {"sliding_window": 8}, [None, None]),  # Llama does not read it
+        ("mistral", {}, [4096, 4096]),  # transformers' default
+        ("mistral", {"sliding_window": None}, [None, None]),
+        ("qwen2", {"sliding_window": 8}, [None, None]),  # without use_sliding_window
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, [None, None]),  # layer < 28
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+            [None, 8],
+        ),
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            [8, None],
+        ),
+    ],
+)
+def test_sliding_windows_per_layer_are_transformers(
+    model_type: str, extra: dict[str, Any], windows: list[int | None]
+) -> None:
+    from transformers import AutoConfig
+
+    raw = {**BASE, "model_type": model_type, **extra}
+    cfg = ModelConfig.from_dict(raw)
+    assert [cfg.window(i) for i in range(2)] == windows
+    hf = AutoConfig.for_model(**raw)
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * 2
+    want = [
+        getattr(hf, "sliding_window", None)
+        if model_type == "mistral" or t != "full_attention"
+        else None
+        for t in types
+    ]
+    assert want == windows
 
 
 @pytest.mark.parametrize(
@@ -66,20 +128,30 @@ def test_bad_configs_are_named(raw: dict[str, Any], match: str) -> None:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 128,
         },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {"rope_type": "yarn", "factor": 8.0, "truncate": False, "beta_fast": 16, "beta_slow": 2},
+        {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7, "mscale_all_dim": 0.5},
+        {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5},
+        {"type": "yarn", "factor": None, "original_max_position_embeddings": 1024},
     ],
 )
 def test_rope_frequencies_equal_transformers(scaling: dict[str, Any] | None) -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = LlamaConfig(**{k: v for k, v in BASE.items() if k != "model_type"}, rope_scaling=scaling)
-    cfg = ModelConfig.from_dict(json.loads(hf.to_json_string()))
+    hf = LlamaConfig(
+        **{k: v for k, v in BASE.items() if k != "model_type"},
+        max_position_embeddings=4096,
+        rope_scaling=None if scaling is None else dict(scaling),
+    )
+    cfg = ModelConfig.from_dict({**BASE, "max_position_embeddings": 4096, "rope_scaling": scaling})
     ours = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_params)
     if scaling is None:
-        want = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+        want, factor = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16)), 1.0
     else:
-        want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+        want, factor = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf, "cpu")
     assert torch.equal(ours, want)
+    assert attention_scaling(cfg.rope_type, cfg.rope_params) == factor
 
 
 def test_missing_directory_and_files_are_named(
