@@ -53,7 +53,7 @@ async def bench(args: argparse.Namespace, root: Path) -> None:
         latent_dim=16,
         num_tokens=args.tokens,
     )
-    pool = of.TorchEngine.pool(llm_dir, "kv", capacity={"l1": 2048, "l2": 0, "l3": 0})
+    pool = of.TorchEngine.pool(llm_dir, "kv", capacity={"l1": 2048, "l2": 0, "l3": 0}, device="cpu")
     llm = of.TorchEngine(llm_dir, pool=pool, device="cpu")
     dit = of.DiTEngine(dit_dir, pool=pool, device="cpu", max_batch=args.pictures)
     await llm.start()

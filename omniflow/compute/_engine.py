@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, Unpack
 
+import torch
+
 from omniflow._exceptions import PoolExhaustedError
 from omniflow.compute._base import EngineBase, EngineOptions
 from omniflow.compute._config import ModelConfig
@@ -138,15 +140,27 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         *,
         capacity: dict[str, int] | None = None,
         page_tokens: int = 16,
-        dtype: str = "float32",
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
         **kwargs: Any,
     ) -> Any:
-        """A ``ParamsPool`` whose layout fits ``model_dir``'s KV cache (declare it in the graph)."""
-        from omniflow.compute._pool import pool_for
+        """A ``ParamsPool`` whose layout fits ``model_dir``'s KV cache (declare it in the graph).
+
+        ``dtype`` and ``device`` default to what an engine started with the defaults resolves
+        them to (``"auto"``: the checkpoint's dtype on cuda when present, float32 on cpu); give
+        the engine's own values when it is started with others."""
+        from omniflow.compute._pool import placement, pool_for
 
         cfg = ModelConfig.from_dir(model_dir)
+        dev, dtype_name = placement(cfg, device, dtype)
         return pool_for(
-            cfg, name, capacity=capacity, page_tokens=page_tokens, dtype=dtype, **kwargs
+            cfg,
+            name,
+            capacity=capacity,
+            page_tokens=page_tokens,
+            dtype=dtype_name,
+            device=dev,
+            **kwargs,
         )
 
     # ---- EngineBase hooks ------------------------------------------------------------------

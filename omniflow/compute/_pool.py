@@ -1,6 +1,10 @@
 """Where the engine meets the ``ParamsPool`` (CONTRACT §7): layout, lookup, page hashing.
 
 >>> # pool = pool_for(ModelConfig.from_dir(d), "kv", capacity={"l1": 512})
+
+A pool and its engine agree on layout, dtype and device: ``placement`` resolves ``"auto"`` for
+``TorchEngine.pool`` exactly as the engine resolves it when it loads (``resolve_device``,
+``resolve_dtype``), and ``resolve_pool`` refuses a pool that differs in any of them.
 """
 
 from __future__ import annotations
@@ -8,14 +12,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from omniflow._exceptions import OmniflowError
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import EngineError
 from omniflow.compute._kv import PagePool, kv_slices, layer_names
+from omniflow.compute._loader import resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from omniflow.compute._base import EngineBase
 
-__all__ = ["chain_hashes", "layout_for", "pool_for", "resolve_pool"]
+__all__ = ["chain_hashes", "layout_for", "placement", "pool_for", "resolve_pool", "same_device"]
 
 
 def chain_hashes(pages: Sequence[list[int] | bytes]) -> list[str]:
@@ -23,6 +31,27 @@ def chain_hashes(pages: Sequence[list[int] | bytes]) -> list[str]:
     from omniflow.data.kv import chain_hashes as chain
 
     return chain(pages)
+
+
+def placement(
+    cfg: ModelConfig, device: str | torch.device, dtype: str | torch.dtype
+) -> tuple[torch.device, str]:
+    """The device and dtype name the engine would resolve ``device``/``dtype`` to for ``cfg``
+    (``"auto"``: cuda when present, there the checkpoint's dtype; cpu and float32 otherwise)."""
+    dev = resolve_device(device)
+    return dev, str(resolve_dtype(dtype, cfg, dev)).removeprefix("torch.")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (a bare "cuda" is the current cuda device)."""
+    return _indexed(a) == _indexed(b)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    index: int | None = device.index  # None for a bare "cuda" (torch's stubs say int)
+    if device.type != "cuda" or index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
 
 
 def pool_for(
@@ -105,9 +134,30 @@ def _check_layout(pool: Any, model: Any) -> None:
     slices = {k: tuple(v) for k, v in dict(layout.slices).items()}
     dtype = str(getattr(layout, "dtype", "")).removeprefix("torch.")
     model_dtype = str(model.dtype).removeprefix("torch.")
+    name = getattr(pool, "name", "?")
     if names != want_names or slices != want_slices or (dtype and dtype != model_dtype):
         raise EngineError(
-            f"pool {getattr(pool, 'name', '?')!r} has layout {names}/{slices}/{dtype} but the "
+            f"pool {name!r} has layout {names}/{slices}/{dtype} but the "
             f"model needs {want_names}/{want_slices}/{model_dtype}; build it with "
             "TorchEngine.pool(model_dir, name, dtype=...)"
         )
+    where = _pool_device(pool, want_names[0])
+    if where is not None and not same_device(where, torch.device(model.device)):
+        raise EngineError(
+            f"pool {name!r} keeps its pages on {where} but the engine runs on "
+            f"{torch.device(model.device)}: attention would read across devices; build the pool "
+            f"with TorchEngine.pool(model_dir, {name!r}, device=...) on the engine's device, or "
+            "start the engine with device= where the pool is"
+        )
+
+
+def _pool_device(pool: Any, sub_name: str) -> torch.device | None:
+    """Where the pool's L1 pages live (None: a pool without local L1 arrays)."""
+    storage = getattr(pool, "storage", None)
+    if storage is None:
+        return None
+    try:
+        store: torch.Tensor = storage(sub_name, "k")
+    except OmniflowError:
+        return None
+    return store.device

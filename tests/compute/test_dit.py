@@ -48,7 +48,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture
 async def engines(dirs: tuple[Path, Path]) -> AsyncIterator[tuple[TorchEngine, DiTEngine, Any]]:
     """An LLM and a DiT engine over one pool; at teardown nothing is left pinned."""
-    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 32, "l2": 0, "l3": 0})
+    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 32, "l2": 0, "l3": 0}, device="cpu")
     llm = TorchEngine(dirs[0], pool=pool, device="cpu")
     dit = DiTEngine(dirs[1], pool=pool, device="cpu", max_batch=4)
     await llm.start()
@@ -191,7 +191,7 @@ async def test_dit_reads_pages_an_engine_process_wrote(dirs: tuple[Path, Path]) 
     """The LLM's forward in a process of its own (executor="process") writes the prompt's KV
     into the shared L1 arrays; the DiT in this process reads those pages in place and gets
     the reference picture."""
-    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 32, "l2": 0, "l3": 0})
+    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 32, "l2": 0, "l3": 0}, device="cpu")
     llm = TorchEngine(dirs[0], pool=pool, device="cpu", executor="process")
     dit = DiTEngine(dirs[1], pool=pool, device="cpu", max_batch=4)
     async with llm, dit:
@@ -352,12 +352,13 @@ async def test_garbage_in_fresh_pool_memory_never_reaches_a_picture(
     dit_dir = make_tiny_dit(
         tmp_path / "d20", heads=4, kv_heads=2, head_dim=16, layers=2, num_tokens=20
     )
-    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 16, "l2": 0, "l3": 0})
+    pool = TorchEngine.pool(dirs[0], "kv", capacity={"l1": 16, "l2": 0, "l3": 0}, device="cpu")
     await pool.open()
     for layer in ("layer0", "layer1"):
         for sl in ("k", "v"):
             pool.storage(layer, sl).fill_(float("nan"))
-    llm, dit = TorchEngine(dirs[0], pool=pool, device="cpu"), DiTEngine(dit_dir, pool=pool)
+    llm = TorchEngine(dirs[0], pool=pool, device="cpu")
+    dit = DiTEngine(dit_dir, pool=pool, device="cpu")
     async with llm, dit:
         prefix = await llm.prefill(GenerateRequest(input_ids=PROMPT, session="s"))
         outs = await asyncio.gather(
