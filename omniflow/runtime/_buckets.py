@@ -259,6 +259,19 @@ class Bucket:
                 return True
         return False
 
+    def fed_only_at(self, counts: Mapping[str, int] | None, node: str) -> bool:
+        """Can live work at no node but ``node`` still feed an open field? ``counts``: live
+        work per node under the bucket's key. True means only ``node``'s own work (its queued
+        activations, its buckets) can still complete the bucket: a loop through ``node``."""
+        open_ = self.open
+        feeds = self.spec.feeds
+        for n in counts or ():
+            if n != node:
+                fields = feeds.get(n)
+                if fields is not None and not open_.isdisjoint(fields):
+                    return False
+        return True
+
     def refresh(
         self, counts: Mapping[str, int] | None, dropped: Sequence[str] | None
     ) -> str | None:

@@ -64,6 +64,9 @@ class Compiled:
     counted: bool = True
     #: (node, or_group) -> its latched fields, for groups that have any.
     latch_of: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
+    #: lb="session" nodes with several OR groups: one SeqId index's activations run in group
+    #: order, and a later group's waits while an earlier group's bucket of that index gathers.
+    group_ordered: frozenset[str] = frozenset()
 
 
 def once_per_call(plan: StaticPlan) -> frozenset[str]:
@@ -250,5 +253,8 @@ def compile_plan(plan: StaticPlan) -> Compiled:
         bucket_nodes=frozenset(n for n, _g in plan.buckets),
         latch_of=latch_of,
         unconstrained=unconstrained,
+        group_ordered=frozenset(
+            n for n, sp in plan.specs.items() if sp.lb == "session" and len(sp.groups) > 1
+        ),
         counted=bool(plan.buckets or plan.seq_producers or latch_of),
     )

@@ -222,6 +222,11 @@ class CallCore:
         self._pump_later: set[str] = set()
         self._latches: dict[tuple[str, str], _Latch] = {}
         self._n_parked = 0
+        #: Gathering buckets of group-ordered session nodes by (node, SeqId entry): an
+        #: earlier group's bucket of an index holds back later groups' activations of it.
+        self._seq_buckets: dict[tuple[str, Entry | None], list[Bucket]] = {}
+        #: Group-ordered session nodes whose next activation waits for such a bucket.
+        self._held: set[str] = set()
         #: On graphs with cycles: the order in which entries were stamped. A loop that comes
         #: back replaces a node's older entry, so there the entries of a table no longer say
         #: which frame came first by themselves; their stamp numbers do (production order of
@@ -459,6 +464,7 @@ class CallCore:
             or self.live.dirty
             or self._pump_later
             or self._n_parked
+            or self._held
             or not self.n_acts
         ):
             if settle and not self._out_run:
@@ -476,6 +482,7 @@ class CallCore:
             or self.live.dirty
             or self._pump_later
             or self._n_parked
+            or self._held
             or not self.n_acts
         )
 
@@ -499,6 +506,7 @@ class CallCore:
         self.closing = True
         if kind is CancelKind.CANCEL:
             self.cancelled = True
+        self._held.clear()
         for key, b in list(self.buckets.items()):
             self._drop_bucket(key, b)
         for sq_node, sq in self._session.items():
@@ -611,11 +619,13 @@ class CallCore:
             b = Bucket(bspec, key, table)
             b.seq = _seq_in(table[: pos + 1], self.c)
             self.buckets[bid] = b
+            if bspec.node in self.c.group_ordered:
+                self._seq_buckets.setdefault((bspec.node, b.seq), []).append(b)
             self.live.inc(table, bspec.node)
             self.blive.inc(table, bspec.node)
             self._watch(key, b)
             if self._story is not None:
-                self._log("bucket", bspec.node, bspec.group, key)
+                self._log("bucket", bspec.node, bspec.group, key, b.seq)
             # Slots may have ended before the bucket existed (no drop will announce them):
             # learn them now, while this frame's producer still holds its own slots open.
             fresh = True
@@ -646,6 +656,8 @@ class CallCore:
             self._evaluate(b, None)
         elif b.could_fire_now(fs):
             self._touched.append(b)
+        elif bspec.node in self._held:
+            self._pump_later.add(bspec.node)  # fewer open fields: perhaps only a loop's left
 
     def _share(self, b: Bucket, table: Table, pos: int) -> None:
         """Keep in ``b.table`` only the entries ``table`` (a new frame's) shares with it; the
@@ -830,19 +842,41 @@ class CallCore:
 
     # ------------------------------------------------------------------ ordering
 
-    def _pump_session(self, node: str) -> None:
-        """Release the next activation of a session node in SeqId order (Algorithm 1)."""
+    def _pump_session(self, node: str, settled: bool = False, force: bool = False) -> None:
+        """Release the next activation of a session node in SeqId order (Algorithm 1); within
+        one index, in OR-group order (CONTRACT §1). ``settled``: called by ``_settle`` with
+        every bucket decided that can be, so a bucket still gathering is waiting on work that
+        is live now; ``force``: the call is stuck, release the first held-back activation."""
         sq = self._session[node]
         if sq.busy or self.closing:
             return
         feeders = self.c.seq_feeders[node]
         own = frozenset((node,))
+        ordered = node in self.c.group_ordered
+        if ordered:
+            self._held.discard(node)
         for so in sq.streams.values():
             while so.pending:
-                act = so.pop_current(_group_of)
+                act = so.peek_current(_group_of)
                 if act is not None:
+                    why = "order"
+                    if ordered and act.group:
+                        why = self._group_wait(node, act, settled)
+                        if why == "wait" and force:
+                            why, force = "stuck", False
+                        if why == "wait":
+                            # An earlier group's bucket of this index may still fire: its
+                            # activation goes first (retiring it, or settling, pumps again).
+                            self._held.add(node)
+                            self._unwatch_order(so)
+                            if not settled:
+                                self._pump_later.add(node)
+                            break
+                    so.pop_current(_group_of)
                     sq.busy = True
                     self._unwatch_order(so)
+                    if self._story is not None and ordered:
+                        self._log("session", node, act.group, act.aid, act.seq, why)
                     self._run(act)
                     return
                 e = so.entry()
@@ -854,6 +888,20 @@ class CallCore:
                     self._watch_order(so, None, node)
                     break
                 so.advance()
+
+    def _group_wait(self, node: str, act: Activation, settled: bool) -> str:
+        """Must ``act`` (a later OR group's) wait for an earlier group's bucket of its index?
+        "wait" while such a bucket can still fire without the node's own queued work, "loop"
+        when the node's queued work alone can still complete every such bucket (waiting would
+        deadlock the call: the later activation runs first), "order" when there is none."""
+        group = act.group
+        earlier = [b for b in self._seq_buckets.get((node, act.seq), ()) if b.spec.group < group]
+        if not earlier:
+            return "order"
+        counts = self.live.counts
+        if settled and all(b.fed_only_at(counts.get(b.key), node) for b in earlier):
+            return "loop"
+        return "wait"
 
     def _emit(self, node: str, f: str, value: Any, seq: Entry) -> None:
         key = (f, seq[0], seq[1])
@@ -924,10 +972,19 @@ class CallCore:
         then finish the call if nothing of it is left."""
         self.unsettled = False
         self._settle_pass()
-        while self._pump_later:
-            for node in sorted(self._pump_later):
-                self._pump_later.discard(node)
-                self._pump_session(node)
+        while True:
+            while self._pump_later:
+                for node in sorted(self._pump_later):
+                    self._pump_later.discard(node)
+                    self._pump_session(node, settled=True)
+                self._settle_pass()
+            if not self._held or self.running or self.closing:
+                return
+            # Nothing runs and only held-back session work is left: the buckets it waits for
+            # can complete only through it, whatever the path (CONTRACT §1: the wait never
+            # deadlocks a call). The earliest node in plan order goes first.
+            order = self.c.order
+            self._pump_session(min(self._held, key=order.__getitem__), settled=True, force=True)
             self._settle_pass()
 
     def _settle_pass(self) -> None:
@@ -983,6 +1040,10 @@ class CallCore:
         reason = b.refresh(self.live.counts.get(b.key), dropped)
         if reason is None:
             if b.open:
+                if b.spec.node in self._held:
+                    # Still gathering, but what can feed it shrank: perhaps to the held-back
+                    # activations alone (a loop), which then run first.
+                    self._pump_later.add(b.spec.node)
                 return  # still waiting for a field
             verdict = b.decide()  # nothing open: Fire or Dead, never Wait
         else:
@@ -1042,6 +1103,15 @@ class CallCore:
         b.retired = True
         del self.buckets[bid]
         self._spent[bid] = how
+        node = bid[0]
+        if node in self.c.group_ordered:
+            sk = (node, b.seq)
+            lst = self._seq_buckets[sk]
+            lst.remove(b)
+            if not lst:
+                del self._seq_buckets[sk]
+            if node in self._held:
+                self._pump_later.add(node)  # what it held back may run now
         # A gathering bucket is always watched under its key (``validate`` checks it).
         ws = self._waiters[b.key]
         ws.remove(b)
@@ -1208,15 +1278,20 @@ class CallCore:
     def validate(self) -> None:
         """Check every invariant of the call's state; raise AssertionError naming the breach.
         Call it between stimuli, after the shell settled (not from inside a step)."""
-        if self._touched or self.live.dirty or self._pump_later or self.unsettled:
+        if self.crashed:
+            return  # a crashed call's state is whatever the bug left
+        if not self.finished and (
+            self._touched or self.live.dirty or self._pump_later or self.unsettled
+        ):
+            # (A finished call has nothing left to settle: what it still notes about drops
+            # or touched buckets wakes nobody; the checks below hold it to "nothing left".)
             raise AssertionError(
                 f"call {self.call_id}: left unsettled (touched {len(self._touched)} buckets, "
                 f"liveness drops under {sorted(self.live.dirty)}); the shell must send SETTLE "
                 "after starting a batch of ready work"
             )
+        self._validate_group_order()
         work: list[tuple[Table, str]] = []
-        if self.crashed:
-            return  # a crashed call's state is whatever the bug left
         acts = set(self.running)
         for sq in self._session.values():
             for so in sq.streams.values():
@@ -1270,6 +1345,38 @@ class CallCore:
             so.validate()
         if self.finished and (self.n_acts or self.buckets or self.live.counts):
             raise AssertionError(f"call {self.call_id} finished with work left: {self.live.counts}")
+
+    def _validate_group_order(self) -> None:
+        """Every gathering bucket of a group-ordered session node is indexed by its SeqId, and
+        an idle session node with an activation at its expected index is held back by an
+        earlier group's bucket that can still fire without it (never stuck: something runs)."""
+        indexed = [b for bs in self._seq_buckets.values() for b in bs]
+        gathering = [b for b in self.buckets.values() if b.spec.node in self.c.group_ordered]
+        if len(indexed) != len(gathering) or any(
+            b not in self._seq_buckets.get((b.spec.node, b.seq), ()) for b in gathering
+        ):
+            raise AssertionError(
+                f"session buckets by SeqId drifted: {len(indexed)} indexed, "
+                f"{len(gathering)} gathering"
+            )
+        if self.closing or self.crashed:
+            return
+        for node, sq in self._session.items():
+            if sq.busy:
+                continue
+            for so in sq.streams.values():
+                act = so.peek_current(_group_of)
+                if act is None:
+                    continue
+                if node not in self._held or self._group_wait(node, act, True) != "wait":
+                    raise AssertionError(
+                        f"session node {node}: {act} waits at index {so.exp} for nothing"
+                    )
+                if not self.running:
+                    raise AssertionError(
+                        f"session node {node}: {act} waits for a bucket of an earlier group "
+                        "while nothing runs (the call is stuck)"
+                    )
 
 
 _NONE: dict[str, int] = {}

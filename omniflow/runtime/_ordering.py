@@ -46,6 +46,13 @@ class StreamOrder:
         """All items at the expected index (removed)."""
         return self.pending.pop(self.exp, [])
 
+    def peek_current(self, key: Callable[[Any], Any] | None = None) -> Any | None:
+        """What ``pop_current`` would take next, left in place."""
+        lst = self.pending.get(self.exp)
+        if not lst:
+            return None
+        return lst[0] if key is None or len(lst) == 1 else min(lst, key=key)
+
     def pop_current(self, key: Callable[[Any], Any] | None = None) -> Any | None:
         """One item at the expected index (removed), or None: the first pushed, or the
         smallest by ``key`` (the first pushed among equals)."""

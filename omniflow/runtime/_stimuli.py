@@ -205,9 +205,13 @@ STORY_FIELDS: dict[str, tuple[str, ...]] = {
     "cancel": ("kind", "reason"),
     "crash": ("error",),
     # transitions they caused
-    "bucket": ("node", "group", "key"),
+    "bucket": ("node", "group", "key", "seq"),
     "fire": ("node", "group", "key", "aid"),
     "dead": ("node", "group", "key", "reason"),
+    # a group-ordered session node released an activation: "order" (no earlier group's
+    # bucket of its index gathers), "loop" (only the node's own queued work can complete
+    # those that do), "stuck" (nothing else could run)
+    "session": ("node", "group", "aid", "seq", "why"),
     "error": ("node", "aid", "error"),
     "cancelled": ("node", "aid"),
     "warning": ("node", "field", "message"),

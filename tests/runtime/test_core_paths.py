@@ -1270,3 +1270,274 @@ def test_a_bucket_keeps_the_entries_a_later_frame_still_carries() -> None:
     core.validate()
     sh.drain()
     assert core.status == "ok" and not core.errors
+
+
+# ------------------------------------------------------------------ session OR-group order
+
+
+def _role(
+    inputs_or: list[list[str]], outputs: list[str], *, gen: bool = False, lb: str = ""
+) -> Any:
+    """A role whose one node ``<name>.run`` the tests drive by stimuli (its body never runs)."""
+    if gen:
+
+        async def run(self: Any, **kw: Any) -> Any:
+            yield {}
+
+    else:
+
+        async def run(self: Any, **kw: Any) -> Any:
+            return None
+
+    run.__name__ = run.__qualname__ = "run"
+    method = of.interface(inputs_or=inputs_or, outputs=outputs, lb=lb or "round_robin")(run)
+    return type("R", (of.Role,), {"run": method})()
+
+
+def _plan(name: str, outputs: list[str], **roles: Any) -> Any:
+    graph = of.Graph(name, roles=roles, inputs=[of.Placeholder("request")], outputs=outputs)
+    return compile_plan(of.parse(graph))
+
+
+# g yields a; a -> x, b -> y, c -> z; n (session): group 0 is a bucket [x, y] rooted at g,
+# group 1 takes z. One frame of g is one SeqId index for both groups.
+ORDERED = _plan(
+    "ordered",
+    ["o"],
+    g=_role([["request"]], ["a"], gen=True),
+    a=_role([["a"]], ["x"]),
+    b=_role([["a"]], ["y"]),
+    c=_role([["a"]], ["z"]),
+    n=_role([["x", "y"], ["z"]], ["o"], lb="session"),
+)
+
+
+def _started(compiled: Any, call_id: str) -> tuple[CallCore, _Shell, Activation]:
+    core = CallCore(compiled, call_id, story=deque())
+    sh = _Shell(core)
+    (g,) = sh(Start({"request": 1})).run
+    sh(Produced(g, {"a": 0}))
+    return core, sh, g
+
+
+def _session_story(core: CallCore) -> list[tuple[int, int, str]]:
+    assert core._story is not None
+    return [
+        (group, aid, why)
+        for _c, _s, ev, *vals in core._story
+        if ev == "session"
+        for _node, group, aid, _seq, why in [vals]
+    ]
+
+
+def test_a_later_group_waits_while_an_earlier_groups_bucket_of_its_index_gathers() -> None:
+    """z (group 1) is queued while group 0's bucket holds x and waits for y: group 1 waits;
+    y completes the bucket, group 0 runs, then group 1."""
+    core, sh, g = _started(ORDERED, "c40")
+    (a,), (b,), (c,) = sh.of("a.run"), sh.of("b.run"), sh.of("c.run")
+    sh(Returned(a, {"x": "x0"}))
+    ins = sh(Returned(c, {"z": "z0"}))
+    assert ins.run == () and not sh.of("n.run") and core._held == {"n.run"}
+    core.validate()
+    (n0,) = sh(Returned(b, {"y": "y0"})).run
+    assert (n0.node, n0.group, n0.kwargs) == ("n.run", 0, {"x": "x0", "y": "y0"})
+    core.validate()
+    (n1,) = sh(Returned(n0, None)).run
+    assert (n1.group, n1.kwargs) == (1, {"z": "z0"}) and n1.seq == n0.seq
+    assert not core._held
+    sh(Ended(g))
+    sh.drain()
+    assert _session_story(core) == [(0, n0.aid, "order"), (1, n1.aid, "order")]
+    assert core.status == "ok" and not core.warnings
+
+
+def test_a_later_group_is_released_when_the_earlier_groups_bucket_dies() -> None:
+    """y ends with no frame: group 0's bucket is DEAD (a warning), and group 1, which waited
+    for it, runs in the same step."""
+    core, sh, g = _started(ORDERED, "c41")
+    (a,), (b,), (c,) = sh.of("a.run"), sh.of("b.run"), sh.of("c.run")
+    sh(Returned(a, {"x": "x0"}))
+    assert sh(Returned(c, {"z": "z0"})).run == ()
+    (n1,) = sh(Returned(b, None)).run
+    assert (n1.node, n1.group, n1.kwargs) == ("n.run", 1, {"z": "z0"})
+    assert [(w["node"], w["field"]) for w in core.warnings] == [("n.run", "y")]
+    core.validate()
+    sh(Returned(n1, None))
+    sh(Ended(g))
+    sh.drain()
+    assert _session_story(core) == [(1, n1.aid, "order")]
+
+
+# The same, but group 0's second field w comes back from n itself (n -> l -> w): the bucket
+# can only complete through n's own activations, so group 1 runs first.
+LOOPED = _plan(
+    "looped",
+    ["o"],
+    g=_role([["request"]], ["a"], gen=True),
+    a=_role([["a"]], ["x"]),
+    c=_role([["a"]], ["z"]),
+    n=_role([["x", "w"], ["z"]], ["o"], lb="session"),
+    l=_role([["o"]], ["w"]),
+)
+
+
+def test_a_later_group_runs_first_when_only_it_can_complete_the_earlier_bucket() -> None:
+    core, sh, g = _started(LOOPED, "c42")
+    (a,), (c,) = sh.of("a.run"), sh.of("c.run")
+    sh(Returned(a, {"x": "x0"}))
+    (n1,) = sh(Returned(c, {"z": "z0"})).run  # waiting would deadlock: it runs
+    assert (n1.node, n1.group) == ("n.run", 1) and not core._held
+    core.validate()
+    (lp,) = sh(Returned(n1, {"o": "o1"})).run
+    (n0,) = sh(Returned(lp, {"w": "w1"})).run
+    assert (n0.group, n0.kwargs, n0.seq) == (0, {"x": "x0", "w": "w1"}, n1.seq)
+    sh(Returned(n0, None))
+    sh(Ended(g))
+    sh.drain()
+    assert _session_story(core) == [(1, n1.aid, "loop"), (0, n0.aid, "order")]
+    assert core.status == "ok"
+
+
+def test_each_index_decides_its_own_loop_bucket() -> None:
+    """Index 1's work (a1, c1) runs beside index 0's loop but is no feeder of index 0's
+    bucket: group 1 of index 0 runs at once; its loop never comes back, so that bucket dies
+    with a warning; index 1 goes the same way."""
+    core, sh, g = _started(LOOPED, "c43")
+    (a,), (c,) = sh.of("a.run"), sh.of("c.run")
+    sh(Produced(g, {"a": 1}))  # index 1: its own a and c
+    a1, c1 = sh.of("a.run")[1], sh.of("c.run")[1]
+    sh(Returned(a, {"x": "x0"}))
+    (n1,) = sh(Returned(c, {"z": "z0"})).run
+    sh(Returned(n1, None))  # index 0's loop never comes back: its bucket dies
+    assert [(w["node"], w["field"]) for w in core.warnings] == [("n.run", "w")]
+    sh(Returned(a1, {"x": "x1"}))
+    (m1,) = sh(Returned(c1, {"z": "z1"})).run
+    assert m1.kwargs == {"z": "z1"}
+    sh(Returned(m1, None))
+    sh(Ended(g))
+    sh.drain()
+    assert [w for _g, _a, w in _session_story(core)] == ["loop", "loop"]
+
+
+# r runs once per frame of p and of q, both children of one frame of g: each r frame roots a
+# bucket [s1, s2] of n, and both buckets carry g's index.
+FANNED = _plan(
+    "fanned",
+    ["o"],
+    g=_role([["request"]], ["a"], gen=True),
+    p=_role([["a"]], ["p"]),
+    q=_role([["a"]], ["q"]),
+    c=_role([["a"]], ["z"]),
+    r=_role([["p"], ["q"]], ["r"]),
+    s1=_role([["r"]], ["s1"]),
+    s2=_role([["r"]], ["s2"]),
+    n=_role([["s1", "s2"], ["z"]], ["o"], lb="session"),
+)
+
+
+def test_activations_of_one_group_under_one_index_run_in_the_order_their_buckets_fired() -> None:
+    """Two group-0 buckets of one index fire while n runs: the later-rooted one fired first
+    and runs first; group 1's second activation waits for both."""
+    core, sh, g = _started(FANNED, "c44")
+    (p,), (q,), (c,) = sh.of("p.run"), sh.of("q.run"), sh.of("c.run")
+    (busy,) = sh(Returned(c, {"z": "z0"})).run  # no bucket yet: group 1 runs
+    (rp,) = sh(Returned(p, {"p": 0})).run
+    (rq,) = sh(Returned(q, {"q": 0})).run
+    s_q = sh(Returned(rq, {"r": "rq"})).run
+    s_p = sh(Returned(rp, {"r": "rp"})).run
+    for act in s_q:  # the bucket rooted at rq's frame fires first
+        sh(Returned(act, {act.node.split(".")[0]: "q-" + act.node}))
+    for act in s_p:
+        sh(Returned(act, {act.node.split(".")[0]: "p-" + act.node}))
+    assert [a.node for a in sh.running] == ["g.run", "n.run"]  # both queued behind busy
+    core.validate()
+    (first,) = sh(Returned(busy, None)).run
+    (second,) = sh(Returned(first, None)).run
+    assert first.group == second.group == 0
+    assert first.kwargs == {"s1": "q-s1.run", "s2": "q-s2.run"}
+    assert second.kwargs == {"s1": "p-s1.run", "s2": "p-s2.run"}
+    assert first.seq == second.seq == busy.seq
+    sh(Returned(second, None))
+    sh(Ended(g))
+    sh.drain()
+    assert [(gr, w) for gr, _a, w in _session_story(core)] == [
+        (1, "order"),
+        (0, "order"),
+        (0, "order"),
+    ]
+
+
+def test_a_held_activation_waits_again_when_its_node_frees_up() -> None:
+    """n runs index 0's group 1; meanwhile index 1's group-0 bucket gathers and its group 1
+    queues. When n frees up, index 0 has settled and index 1's group 1 waits for its bucket
+    (to be decided after the step settles), then runs after group 0."""
+    core, sh, g = _started(ORDERED, "c45")
+    (a,), (b,), (c,) = sh.of("a.run"), sh.of("b.run"), sh.of("c.run")
+    sh(Returned(a, None))
+    sh(Returned(b, None))
+    (busy,) = sh(Returned(c, {"z": "z0"})).run
+    sh(Produced(g, {"a": 1}))
+    a1, b1, c1 = sh.of("a.run")[0], sh.of("b.run")[0], sh.of("c.run")[0]
+    sh(Returned(a1, {"x": "x1"}))
+    sh(Returned(c1, {"z": "z1"}))
+    assert sh(Returned(busy, None)).run == () and core._held == {"n.run"}
+    core.validate()
+    (n0,) = sh(Returned(b1, {"y": "y1"})).run
+    (n1,) = sh(Returned(n0, None)).run
+    assert (n0.group, n1.group, n1.kwargs) == (0, 1, {"z": "z1"})
+    sh(Returned(n1, None))
+    sh(Ended(g))
+    sh.drain()
+
+
+# n's group-0 bucket [x, w] waits for w from l, whose own bucket [o, v] waits for o from n:
+# the wait goes through another bucket, so only "nothing else can run" shows it is a loop.
+CROSSED = _plan(
+    "crossed",
+    ["o"],
+    g=_role([["request"]], ["a"], gen=True),
+    a=_role([["a"]], ["x"]),
+    c=_role([["a"]], ["z"]),
+    d=_role([["a"]], ["v"]),
+    n=_role([["x", "w"], ["z"]], ["o"], lb="session"),
+    l=_role([["o", "v"]], ["w"]),
+)
+
+
+def test_a_held_activation_runs_when_nothing_else_can() -> None:
+    core, sh, g = _started(CROSSED, "c46")
+    (a,), (c,), (d,) = sh.of("a.run"), sh.of("c.run"), sh.of("d.run")
+    sh(Returned(a, {"x": "x0"}))
+    sh(Returned(d, {"v": "v0"}))
+    assert sh(Returned(c, {"z": "z0"})).run == () and core._held == {"n.run"}
+    core.validate()
+    (n1,) = sh(Ended(g)).run  # nothing else runs: the wait would never end
+    assert (n1.group, n1.kwargs) == (1, {"z": "z0"})
+    (lp,) = sh(Returned(n1, {"o": "o1"})).run
+    (n0,) = sh(Returned(lp, {"w": "w1"})).run
+    assert n0.kwargs == {"x": "x0", "w": "w1"}
+    sh(Returned(n0, None))
+    sh.drain()
+    assert [(gr, w) for gr, _a, w in _session_story(core)] == [(1, "stuck"), (0, "order")]
+
+
+def test_validate_names_a_broken_session_group_order() -> None:
+    core, sh, _g = _started(ORDERED, "c47")
+    (a,), (c,) = sh.of("a.run"), sh.of("c.run")
+    sh(Returned(a, {"x": "x0"}))
+    sh(Returned(c, {"z": "z0"}))
+    core.validate()
+    core._held.clear()
+    with pytest.raises(AssertionError, match="waits at index 0 for nothing"):
+        core.validate()
+    core._held.add("n.run")
+    running, core.running = core.running, set()
+    with pytest.raises(AssertionError, match="while nothing runs"):
+        core.validate()
+    core.running = running
+    (key,) = core._seq_buckets
+    buckets = core._seq_buckets.pop(key)
+    with pytest.raises(AssertionError, match="session buckets by SeqId drifted"):
+        core.validate()
+    core._seq_buckets[key] = buckets
+    core.validate()
