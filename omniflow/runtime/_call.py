@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class Call:
         session: str | None,
     ) -> None:
         self._rt = runtime
+        #: The caller's context at ``rt.call``: each local activation runs in a copy of it.
+        self._ctx = contextvars.copy_context()
         #: Graph name.
         self.graph = graph
         #: Unique id of this call within its runtime.

@@ -1,48 +1,129 @@
-"""Driving role methods: one set of rules for the front (``_runtime``) and the worker
-(``_worker``), which differ only in where a frame goes.
+"""Running role methods as tasks: one set of rules for the front (``_runtime``) and the
+worker (``_worker``), which differ only in where a frame goes.
 
->>> out = first_step(method, kwargs)           # its error propagates  # doctest: +SKIP
->>> if type(out) is Running:                    # suspended: finished(*out) once out.task ends
-...     out.task.add_done_callback(...)
->>> error = await drive(agen, push)                                      # doctest: +SKIP
+>>> task = eager_task(walker(), contextvars.copy_context())      # doctest: +SKIP
+>>> value = await Continue(coro, fut)                             # doctest: +SKIP
+>>> error = await drive(agen, push)                               # doctest: +SKIP
 
-A coroutine method runs its first step at once, in the caller's context (most methods finish
-there, and need no task at all); the rest runs in a task that resumes that very coroutine. A
-generator method is driven by :func:`drive`: each frame goes to ``push`` (which says whether
-to go on), the consumer's congestion is awaited between frames, and the generator is always
-closed, however it ended.
+Every role method runs inside one ``asyncio.Task`` from its first step to its end
+(design/ARCHITECTURE.md, *Role methods run in tasks*). A task is costly next to a method that
+returns at once (most methods on the hot path), so the shells share one: a *walker* is an
+eagerly started task (:func:`eager_task`: its first step runs now, inside the task, as Python
+3.12's ``eager_start`` does) that runs ready methods of one call one after another. A method
+that returns within its first step has run inside the walker for its whole life; one that
+suspends keeps the walker, which from then on only carries that method on
+(:class:`Continue`) and leaves the rest of the ready work to a new walker. A generator method
+is driven by :func:`drive` in a task of its own: each frame goes to ``push`` (which says
+whether to go on), the consumer's congestion is awaited between frames, and the generator is
+always closed, however it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import sys
+from asyncio import tasks as _tasks
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator
-from typing import Any, NamedTuple
+from typing import Any
 
-__all__ = ["Finished", "Running", "drive", "finished", "first_step", "generator_end"]
+__all__ = ["Continue", "drive", "eager_task", "generator_end"]
 
-
-class Finished(NamedTuple):
-    """How a method that ran as a task ended: the error it raised (None: it returned
-    ``value``)."""
-
-    error: BaseException | None
-    value: Any = None
+_Task = asyncio.Task
 
 
-class Running(NamedTuple):
-    """A coroutine method suspended in its first step, carried on by ``task``."""
+class _Grab:
+    """Stands in for ``loop.call_soon`` while a Task is built (3.11 only): keeps its first
+    step instead of scheduling it."""
 
-    coro: Coroutine[Any, Any, Any]
-    task: asyncio.Task[Any]
+    __slots__ = ("args", "context", "step")
+
+    def __init__(self) -> None:
+        self.step: Callable[..., Any] | None = None
+        self.args: tuple[Any, ...] = ()
+        self.context: contextvars.Context | None = None
+
+    def __call__(self, step: Callable[..., Any], *args: Any, context: Any = None) -> None:
+        self.step = step
+        self.args = args
+        self.context = context
 
 
-class _Continue:
-    """Await an already-started coroutine that is suspended on ``fut`` (eager start's tail)."""
+#: Read out before the callback it grabbed runs, so nested uses may share it.
+_GRAB = _Grab()
+#: loop -> its instance dict (None: it has none, nothing is grabbed there).
+_OWN: dict[Any, dict[str, Any] | None] = {}
+
+
+def _own(loop: Any) -> dict[str, Any] | None:
+    own = _OWN.get(loop, False)
+    if own is False:
+        if len(_OWN) > 64:  # (loops of finished asyncio.run calls)
+            _OWN.clear()
+        own = _OWN[loop] = getattr(loop, "__dict__", None)
+    return own  # type: ignore[return-value]
+
+
+def _run_as_task(loop: Any) -> None:
+    """Run the grabbed task step now, as the loop would: in its context, with its task the
+    current one (the task that was current, if any, swapped out and back, as 3.12 does)."""
+    grab = _GRAB
+    step, args, ctx = grab.step, grab.args, grab.context
+    grab.step = grab.context = None
+    assert step is not None and ctx is not None
+    prev = _current_tasks.get(loop)
+    if prev is not None:
+        _leave_task(loop, prev)
+    try:
+        ctx.run(step, *args)
+    finally:
+        if prev is not None:
+            _enter_task(loop, prev)
+
+
+def _eager_311(coro: Coroutine[Any, Any, Any], context: contextvars.Context) -> asyncio.Task[Any]:
+    """Python 3.12's ``Task(..., eager_start=True)`` on 3.11: build a real ``asyncio.Task``,
+    take the first step it schedules (``call_soon(step, context=...)``, the only call its
+    constructor makes on the loop) and run it now (``_run_as_task``). The step is the Task's
+    own: it enters the task, steps the coroutine, and sets the result, or waits on what the
+    coroutine awaits, exactly as if the loop had run it."""
+    loop = asyncio.get_running_loop()
+    own = _own(loop)
+    if own is None:  # a loop without instance attributes: the first step runs next turn
+        return loop.create_task(coro, context=context)
+    own["call_soon"] = _GRAB
+    try:
+        task = _Task(coro, loop=loop, context=context)
+    finally:
+        del own["call_soon"]
+    _run_as_task(loop)
+    return task
+
+
+def _eager_312(coro: Coroutine[Any, Any, Any], context: contextvars.Context) -> asyncio.Task[Any]:
+    return _Task(coro, loop=asyncio.get_running_loop(), context=context, eager_start=True)  # type: ignore[call-arg]
+
+
+if sys.version_info >= (3, 12):  # pragma: no cover - CI runs 3.11
+    eager_task = _eager_312
+else:
+    _current_tasks: dict[Any, Any] = _tasks._current_tasks  # type: ignore[attr-defined]
+    _enter_task = _tasks._enter_task
+    _leave_task = _tasks._leave_task
+    eager_task = _eager_311
+eager_task.__doc__ = """A task running ``coro`` in ``context`` whose first step has already
+run, inside the task, when this returns (it may be done by then)."""
+
+
+class Continue:
+    """Await a method's coroutine that suspended on ``fut`` in its first step, to its end
+    (its value, or what it raised). Awaited by the task the first step ran in, so the method
+    sees one task for its whole life; a cancel of that task is thrown into the method at its
+    current ``await``."""
 
     __slots__ = ("coro", "fut")
 
-    def __init__(self, coro: Any, fut: Any) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, Any], fut: Any) -> None:
         self.coro = coro
         self.fut = fut
 
@@ -51,7 +132,7 @@ class _Continue:
         while True:
             try:
                 yield fut
-            except BaseException as exc:  # thrown in by our task: cancellation
+            except BaseException as exc:  # thrown in by the task: a cancel
                 try:
                     fut = coro.throw(exc)
                 except StopIteration as stop:
@@ -61,34 +142,6 @@ class _Continue:
                 fut = coro.send(None)
             except StopIteration as stop:
                 return stop.value
-
-
-async def _await_continue(cont: _Continue) -> Any:
-    return await cont
-
-
-def first_step(method: Callable[..., Coroutine[Any, Any, Any]], kwargs: dict[str, Any]) -> Any:
-    """Call a coroutine method and run it up to its first suspension, now: what it returned
-    if it ended there (what it raised propagates), else :class:`Running` (a task made in the
-    current context carries it on; :func:`finished` tells how that ended). Nothing is made
-    for a method that ends at once, the common case on the hot path."""
-    coro = method(**kwargs)
-    try:
-        fut = coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    return Running(
-        coro, asyncio.get_running_loop().create_task(_await_continue(_Continue(coro, fut)))
-    )
-
-
-def finished(coro: Coroutine[Any, Any, Any], task: asyncio.Task[Any]) -> Finished:
-    """How the task of a :class:`Running` ended (a cancelled one closes its coroutine)."""
-    if task.cancelled():
-        coro.close()
-        return Finished(asyncio.CancelledError())
-    exc = task.exception()
-    return Finished(exc) if exc is not None else Finished(None, task.result())
 
 
 def generator_end(task: asyncio.Task[Any]) -> BaseException:

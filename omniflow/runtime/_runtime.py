@@ -23,7 +23,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -41,7 +41,7 @@ from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
-from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
+from omniflow.runtime._drive import Continue, drive, eager_task, generator_end
 from omniflow.runtime._launch import Launcher
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
@@ -78,14 +78,6 @@ class RuntimeState(enum.Enum):
 _new = tuple.__new__
 #: A caller frame's value (``Emit`` is (field, value, node, seq index)).
 _value = operator.itemgetter(1)
-
-
-def _resume_cb(
-    rt: Runtime, call: Call, core: CallCore, act: Activation, coro: Any
-) -> Callable[[asyncio.Task[Any]], None]:
-    """The done callback of a suspended coroutine's task (its own closure: ``_launch``
-    rebinds ``act`` and ``coro`` as it walks a chain)."""
-    return lambda t: rt._resumed(call, core, act, coro, t)
 
 
 def _context_of(call: Call, act: Activation) -> ActivationContext:
@@ -259,6 +251,14 @@ class Runtime:
         #: Idle sessions -> the timer that closes them after ``session_ttl``.
         self._idle: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: The walker task now between two methods (``_walk``: ready coroutine methods run
+        #: inline in it), else None.
+        self._walker: asyncio.Task[Any] | None = None
+        #: The method that just suspended in the walker (activation, coroutine, what it
+        #: awaits): the walker carries it on.
+        self._parked: tuple[Activation, Any, Any] | None = None
+        #: Set by ``_spawn`` while a walker's first step may run; the walker clears it.
+        self._spawning = False
         #: Bounded log of stimuli and transitions: (call id, stimulus id, event, values), see
         #: ``_stimuli.STORY_FIELDS``; ``story(call_id)`` renders them.
         self.story_log: deque[tuple[Any, ...]] | None = (
@@ -636,16 +636,91 @@ class Runtime:
 
     def _pump(self, call: Call, core: CallCore) -> None:
         """Start the ready work, batch by batch; after each batch let the core settle what
-        the batch's returns left behind (once, not after every return)."""
+        the batch's returns left behind (once, not after every return).
+
+        Local coroutine methods run inside a walker task (``_walk``): here, inline, when this
+        is a walker between methods; else a new walker is started eagerly and runs the ready
+        work itself until it empties or a method suspends in it (then this loop goes on with
+        what is left). A method that suspends in this walker makes it that method's task:
+        the pump stops here and the walker's caller goes on with the rest."""
         ready = call._ready
         while True:
             while ready:
+                if self._walker is None and ready[0].node in call._coros:
+                    if not self._spawn(call, core):
+                        return  # (it starts next turn and pumps everything itself)
+                    continue
                 self._launch(call, core, ready.popleft())
+                if self._parked is not None:
+                    return
             if not core.unsettled or call.done:
                 break
             self._apply(call, core, core.handle(SETTLE))
         if self.validate:
             core.validate()
+
+    def _spawn(self, call: Call, core: CallCore) -> bool:
+        """Start a walker for the call's ready work; True when its first step ran now."""
+        self._spawning = True
+        eager_task(self._walk(call, core), call._ctx.copy())
+        ran = not self._spawning  # the walker took the flag: its first step ran
+        self._spawning = False
+        return ran
+
+    async def _walk(self, call: Call, core: CallCore) -> None:
+        """A walker: the task that the call's ready coroutine methods run in, one after
+        another, until one suspends; that one keeps this task to its end (``Continue``),
+        then this walker reports it and runs what became ready, as before. The rest of the
+        ready work, when a method suspends, goes on in the caller of this walker's first step
+        (the pump that started it) or, on later steps, in new walkers started here. A walker
+        serves one call, in its task's own copy of the caller's context: what a method sets
+        in a contextvar no other call's method sees."""
+        me = asyncio.current_task()
+        # Started by ``_spawn`` (eagerly): the pump that started it goes on after it.
+        eager, self._spawning = self._spawning, False
+        while True:
+            outer = self._walker
+            self._walker = me
+            try:
+                self._pump(call, core)
+            except Exception as exc:
+                self._crash(call, exc)
+            finally:
+                self._walker = outer
+            parked = self._parked
+            if parked is None:
+                return
+            self._parked = None
+            act, coro, fut = parked
+            call._tasks[act] = me
+            if me not in self._tasks:
+                self._track(me)  # type: ignore[arg-type]
+            if not eager and call._ready:
+                self._pump(call, core)  # (walker off: the rest in walkers of their own)
+            eager = False
+            try:
+                value = await Continue(coro, fut)
+            except (Exception, asyncio.CancelledError) as exc:
+                error: BaseException | None = exc
+            else:
+                error = None
+            if call.done:
+                return
+            try:
+                if error is not None:
+                    self._done(call, core, act, error)
+                else:
+                    del call._tasks[act]
+                    if self.metrics is not None:
+                        self._observe(call, act, None)
+                    self._apply(call, core, core.handle(_new(Returned, (act, value, True))))
+                if error is not None or me.cancelling():  # type: ignore[union-attr]
+                    # A cancelled task runs no other method: the rest in new walkers.
+                    self._pump(call, core)
+                    return
+            except Exception as exc:
+                self._crash(call, exc)
+                return
 
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
         metrics = self.metrics
@@ -659,38 +734,40 @@ class Runtime:
                 if got is None:
                     return
                 method, kwargs = got
-            token = _current.set((_context_of, call, act))
+            # In the walker's context (its task's own copy of the caller's at ``rt.call``):
+            # of.context() reads this activation.
+            _current.set((_context_of, call, act))
+            walker, self._walker = self._walker, None  # (a nested call starts its own)
             try:
-                try:
-                    out = first_step(method, kwargs)
-                except (Exception, asyncio.CancelledError) as exc:
-                    self._done(call, core, act, exc, not call._ready)
-                    return
-                if type(out) is Running:
-                    coro, task = out
-                    call._tasks[act] = task
-                    self._track(task)
-                    task.add_done_callback(_resume_cb(self, call, core, act, coro))
-                    return
-                # Returned within its first step; more of the batch waiting: settle later.
-                if metrics is not None:
-                    self._observe(call, act, None)
-                # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-                ins = core.handle(_new(Returned, (act, out, not call._ready)))
-                if ins is NOTHING:
-                    return
-                run, emit, release, cancel, done, _ = ins
-                if emit or release or cancel or done:
-                    self._apply(call, core, ins)
-                    return
-                if len(run) == 1 and not call._ready:
-                    # The pump would start it next: start it now (a chain's next hop).
-                    act = run[0]
-                    continue
-                call._ready.extend(run)  # ``_apply``'s common case, inlined
+                coro = method(**kwargs)
+                fut = coro.send(None)
+            except StopIteration as stop:
+                out = stop.value
+            except (Exception, asyncio.CancelledError) as exc:
+                self._done(call, core, act, exc, not call._ready)
+                return
+            else:  # suspended: this walker is the method's task from now on
+                self._parked = (act, coro, fut)
                 return
             finally:
-                _current.reset(token)
+                self._walker = walker
+            # Returned within its first step; more of the batch waiting: settle later.
+            if metrics is not None:
+                self._observe(call, act, None)
+            # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
+            ins = core.handle(_new(Returned, (act, out, not call._ready)))
+            if ins is NOTHING:
+                return
+            run, emit, release, cancel, done, _ = ins
+            if emit or release or cancel or done:
+                self._apply(call, core, ins)
+                return
+            if len(run) == 1 and not call._ready:
+                # The pump would start it next: start it now (a chain's next hop).
+                act = run[0]
+                continue
+            call._ready.extend(run)  # ``_apply``'s common case, inlined
+            return
 
     def _launch_other(
         self, call: Call, core: CallCore, act: Activation
@@ -709,17 +786,17 @@ class Runtime:
         method = core.c.methods[node]
         if node not in core.c.generators:
             return method, kwargs
-        token = _current.set((_context_of, call, act))
+        ctx = call._ctx.copy()
+        ctx.run(_current.set, (_context_of, call, act))
         try:
-            try:
-                agen = method(**kwargs)
-            except Exception as exc:
-                self._done(call, core, act, exc, not call._ready)
-                return None
-            # The task copies the context now, with this activation's in it.
-            task = asyncio.get_running_loop().create_task(self._drive(call, core, act, agen))
-        finally:
-            _current.reset(token)
+            agen = method(**kwargs)
+        except Exception as exc:
+            self._done(call, core, act, exc, not call._ready)
+            return None
+        # The generator's own task, in its own context, from its first step to its end.
+        task = asyncio.get_running_loop().create_task(
+            self._drive(call, core, act, agen), context=ctx
+        )
         call._tasks[act] = task
         self._track(task)
         task.add_done_callback(lambda t: self._drive_ended(call, core, act, t))
@@ -733,26 +810,6 @@ class Runtime:
         wait for it forever)."""
         if call._tasks.get(act) is task and act.state is RUNNING and not call.done:
             self._ended(call, core, act, generator_end(task))
-
-    def _resumed(
-        self, call: Call, core: CallCore, act: Activation, coro: Any, task: asyncio.Task[Any]
-    ) -> None:
-        if call.done:
-            if task.cancelled():
-                coro.close()
-            return
-        try:
-            end = finished(coro, task)
-            if end.error is not None:
-                self._done(call, core, act, end.error)
-            else:
-                del call._tasks[act]
-                if self.metrics is not None:
-                    self._observe(call, act, None)
-                self._apply(call, core, core.handle(Returned(act, end.value)))
-            self._pump(call, core)
-        except Exception as exc:
-            self._crash(call, exc)
 
     async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
         """Run a generator method here (``_drive.drive``): its frames go to the call core."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import os
@@ -43,7 +44,7 @@ from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import parse_graphs
-from omniflow.runtime._drive import Running, drive, finished, first_step, generator_end
+from omniflow.runtime._drive import drive, eager_task, generator_end
 from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
@@ -242,6 +243,8 @@ class Worker:
         #: link address, and leaves as few messages as possible when the batch is handled
         #: (consecutive good ends to one peer gather in a ``_DoneBatch``: one ``Dones``).
         self._reading = False
+        #: The context each method's runs in a copy of (``run`` takes it again, before setup).
+        self._ctx = contextvars.copy_context()
         #: Handling a batch of one run (a chain's hop): nothing to gather, so its end leaves
         #: as it is made and its forwards right after it (``_take``), here meanwhile.
         self._direct = False
@@ -307,6 +310,8 @@ class Worker:
         """Load, set up, serve until ``stop`` (or SIGTERM), tear down."""
         from omniflow.runtime._runtime import setup_role
 
+        # Methods run in copies of this context (taken before any setup() could add to it).
+        self._ctx = contextvars.copy_context()
         try:
             self._load()
             for role in self._roles:
@@ -855,36 +860,30 @@ class Worker:
         if method is None:
             self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
             return
-        # The context is built only if the method asks for it (``dsl._context.context``).
-        token = _current.set((
+        # Its own context, a copy of the worker's, with what of.context() builds on asking.
+        ctx = self._ctx.copy()
+        ctx.run(_current.set, (
             ActivationContext, graph, session, c, node, group, self._params(session, c, graph),
             q, a, self._pool_view,
         ))  # fmt: skip
+        key = (peer, c, a)
         try:
-            key = (peer, c, a)
-            if node in self._generators:
-                try:
-                    agen = method(**kwargs)
-                except Exception as exc:
-                    self._done(peer, c, a, exc)
-                    return
-                gtask = asyncio.get_running_loop().create_task(self._drive(key, agen))
-                self._running[key] = gtask
-                gtask.add_done_callback(lambda t: self._unreported(key, t))
-                return
-            try:
-                out = first_step(method, kwargs)
-            except (Exception, asyncio.CancelledError) as exc:
-                self._done(peer, c, a, exc)
-                return
-            if type(out) is not Running:
-                self._done(peer, c, a, None, out)
-                return
-            coro, task = out
-            self._running[key] = task
-            task.add_done_callback(lambda t: self._finished(key, coro, t))
-        finally:
-            _current.reset(token)
+            call = method(**kwargs)
+        except Exception as exc:
+            self._done(peer, c, a, exc)
+            return
+        if node in self._generators:
+            gtask = asyncio.get_running_loop().create_task(self._drive(key, call), context=ctx)
+            self._running[key] = gtask
+            gtask.add_done_callback(lambda t: self._unreported(key, t))
+            return
+        # The method's own task, its first step run now (most methods end in it).
+        task = eager_task(call, ctx)
+        if task.done():
+            self._finished(key, task)
+            return
+        self._running[key] = task
+        task.add_done_callback(lambda t: self._finished(key, t))
 
     def _routes_of(self, node: str, raw: list[Any]) -> tuple[Route, ...] | None:
         """The parsed fast-path routes of a run of ``node`` (None: malformed, dropped). A
@@ -1013,10 +1012,14 @@ class Worker:
         finally:
             link.writer = None
 
-    def _finished(self, key: _Key, coro: Any, task: asyncio.Task[Any]) -> None:
+    def _finished(self, key: _Key, task: asyncio.Task[Any]) -> None:
+        """A coroutine method's task ended: report its frame, or what it raised."""
         self._running.pop(key, None)
-        end = finished(coro, task)
-        self._done(key[0], key[1], key[2], end.error, end.value)
+        if task.cancelled():
+            self._done(key[0], key[1], key[2], asyncio.CancelledError())
+            return
+        exc = task.exception()
+        self._done(key[0], key[1], key[2], exc, None if exc is not None else task.result())
 
     def _unreported(self, key: _Key, task: asyncio.Task[Any]) -> None:
         """A ``_drive`` / ``_pull_then_run`` task ended. Its body reports the end itself (and

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 
-from omniflow.runtime._drive import Finished, Running, drive, finished, first_step, generator_end
+from omniflow.runtime._drive import Continue, drive, eager_task, generator_end
 
 
 class Gen:
@@ -99,42 +101,93 @@ async def test_cancelling_the_driver_ends_the_method_with_cancelled() -> None:
     assert isinstance(await task, asyncio.CancelledError) and gen.closed
 
 
-async def test_first_step_finishes_eagerly_or_hands_over_a_task() -> None:
+async def test_eager_task_runs_its_first_step_inside_the_task_now() -> None:
+    seen: list[Any] = []
+    var: contextvars.ContextVar[int] = contextvars.ContextVar("var", default=0)
+
     async def quick(x: int) -> int:
+        seen.append(asyncio.current_task())
+        var.set(x)
         return x + 1
 
+    outer = asyncio.current_task()
+    ctx = contextvars.copy_context()
+    task = eager_task(quick(1), ctx)
+    assert task.done() and task.result() == 2  # ran now, no loop turn
+    assert seen == [task]  # inside its own task, not the caller's
+    assert asyncio.current_task() is outer  # the caller's task is current again
+    assert ctx[var] == 1 and var.get() == 0  # in the given context only
+
+
+async def test_an_eager_task_that_suspends_stays_one_task_to_its_end() -> None:
+    seen: list[Any] = []
+
+    async def slow() -> int:
+        seen.append(asyncio.current_task())
+        async with asyncio.timeout(5):  # needs a task, the same one on exit
+            await asyncio.sleep(0)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(asyncio.sleep(0))
+        with anyio.fail_after(5):  # anyio's cancel scope: entered and left in one task
+            await asyncio.sleep(0)
+        seen.append(asyncio.current_task())
+        return 8
+
+    task = eager_task(slow(), contextvars.copy_context())
+    assert not task.done() and seen == [task]
+    assert await task == 8 and seen == [task, task]
+
+
+async def test_eager_tasks_nest_and_fail_like_tasks() -> None:
     async def failing() -> None:
         raise KeyError("k")
 
-    async def slow(x: int) -> int:
-        await asyncio.sleep(0)
-        return x * 2
+    async def outer() -> Any:
+        inner = eager_task(failing(), contextvars.copy_context())  # started inside a task
+        assert asyncio.current_task() is me[0]
+        return inner
 
-    assert first_step(quick, {"x": 1}) == 2
-    with pytest.raises(KeyError):
-        first_step(failing, {})
-    started = first_step(slow, {"x": 4})
-    assert type(started) is Running
-    coro, task = started
-    await asyncio.wait([task])
-    assert finished(coro, task) == Finished(None, 8)
+    me: list[Any] = []
+
+    async def host() -> Any:
+        me.append(asyncio.current_task())
+        return await outer()
+
+    inner = await asyncio.get_running_loop().create_task(host())
+    assert inner.done() and isinstance(inner.exception(), KeyError)
 
 
-async def test_a_cancelled_task_closes_its_coroutine() -> None:
+async def test_continue_carries_a_suspended_coroutine_to_its_end_in_one_task() -> None:
     closed: list[bool] = []
+    seen: list[Any] = []
 
-    async def waits() -> None:
+    async def method() -> str:
         try:
             await asyncio.sleep(3600)
         finally:
             closed.append(True)
+        return "never"
 
-    started: Any = first_step(waits, {})
-    coro, task = started
-    task.cancel()
-    await asyncio.wait([task])
-    end = finished(coro, task)
-    assert isinstance(end.error, asyncio.CancelledError) and closed == [True]
+    async def steady() -> str:
+        seen.append(asyncio.current_task())
+        async with asyncio.timeout(5):
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        seen.append(asyncio.current_task())
+        return "done"
+
+    async def carry(coro: Any) -> Any:
+        fut = coro.send(None)  # its first step, in this task
+        return await Continue(coro, fut)
+
+    task = asyncio.get_running_loop().create_task(carry(steady()))
+    assert await task == "done" and seen == [task, task]
+    task = asyncio.get_running_loop().create_task(carry(method()))
+    await asyncio.sleep(0)
+    task.cancel()  # thrown into the method at its await, its finally runs
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert closed == [True]
 
 
 @pytest.mark.parametrize("how", ["cancelled", "failed", "returned"])

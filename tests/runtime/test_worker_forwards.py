@@ -4,6 +4,7 @@ one ``forwards``, and a worker serves each of its records as the ``forward`` it 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
@@ -315,7 +316,7 @@ def a_run(a: int, x: Any, routes: tuple[Route, ...], forwarded: bool) -> Run | F
     return Run("c", a, "n0", {"x": x}, None, 0, a, "g", None, None, None, raw)
 
 
-def test_a_batch_of_one_run_sends_its_done_then_its_forward_at_once() -> None:
+async def test_a_batch_of_one_run_sends_its_done_then_its_forward_at_once() -> None:
     modes: list[tuple[bool, bool]] = []
     w, events = hop_worker(lambda x: modes.append((w._reading, w._direct)) or {"y": x + 1})
     try:
@@ -332,7 +333,7 @@ def test_a_batch_of_one_run_sends_its_done_then_its_forward_at_once() -> None:
         w.plane.close()
 
 
-def test_runs_of_a_bigger_batch_still_leave_gathered() -> None:
+async def test_runs_of_a_bigger_batch_still_leave_gathered() -> None:
     modes: list[tuple[bool, bool]] = []
     w, events = hop_worker(lambda x: modes.append((w._reading, w._direct)) or {"y": x + 1})
     try:
@@ -387,12 +388,16 @@ def test_a_batch_of_one_sends_what_the_held_way_sends(
     run = a_run(3, value, routes, forwarded)
     direct, direct_events = hop_worker(returns)
     held, held_events = hop_worker(returns)
-    try:
+
+    async def take_both() -> None:  # (a method runs in a task: inside an event loop)
         direct._take([Packet(B, encode_msg(run))])
         held._reading = True
         held._handle(B, run)
         held._reading = False
         held._flush_held()
+
+    try:
+        asyncio.run(take_both())
 
         def comparable(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
             # (a failure's traceback differs in its frames' lines: compare what it says)
