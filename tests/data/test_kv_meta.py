@@ -143,6 +143,44 @@ async def test_publish_chain_only_needs_a_provider(backend: Any) -> None:
     assert await m.match(P, "s2", ["a"]) == [{"n1": "0:0:4"}]
 
 
+async def test_a_lapsed_lease_forgets_the_node_until_it_registers_again(backend: Any) -> None:
+    """Leases are timed by the backend's clock: a 1 ms lease has run out once a little wall
+    time passed (the loop waits for that, bounded; no assertion races the clock)."""
+    m = backend()
+    await m.register(P, "n1", {"host": "h"}, ttl_ms=600_000)
+    await m.register(P, "n2", {"host": "h"}, ttl_ms=600_000)
+    await m.register(P, "n3", {"host": "h"})  # no lease: never expired
+    await m.publish(P, "n1", "s1", ["a", "b"], ["1:0:4", "1:1:4"])
+    await m.publish(P, "n2", "s1", ["b"], ["1:0:4"])
+    await m.publish(P, "n3", None, ["sys"], ["1:2:4"])
+    assert await m.lock(P, "n2", "n1", ["a"]) == ["1:0:4"]  # n2 reads n1's replica
+    assert await m.heartbeat(P, "n1", 1)  # n1's last renewal: 1 ms
+    for _ in range(2000):
+        if await m.match(P, "s1", ["a", "b"]) == []:  # the match itself forgot n1
+            break
+        await asyncio.sleep(0.005)
+    dump = await m.dump(P)
+    assert dump["providers"] == {"b": {"n2": "1:0:4"}, "sys": {"n3": "1:2:4"}}
+    assert dump["chains"] == {"s:s1": ["b"], PUBLIC: ["sys"]}
+    assert dump["locks"] == {"a|n1": {"n2": 1}}  # a reader's lock stays until it unlocks
+    assert await m.nodes(P, ["n1", "n3"]) == {"n3": {"host": "h"}}
+    assert await m.sweep(P) == []  # forgotten once
+    # Forgotten, n1 provides and locks nothing until it registers again.
+    assert not await m.heartbeat(P, "n1", 600_000)
+    await m.publish(P, "n1", "s1", ["c"], ["1:3:4"])
+    assert await m.provide(P, "n1", ["b"], ["1:4:4"]) == [False]
+    assert await m.lock(P, "n1", "n2", ["b"]) == [None]
+    assert "c" not in (await m.dump(P))["providers"]
+    await m.register(P, "n1", {"host": "h"}, ttl_ms=600_000)
+    assert await m.heartbeat(P, "n1", 600_000)
+    assert await m.provide(P, "n1", ["b"], ["1:4:4"]) == [True]
+    assert await m.match(P, "s1", ["b"]) == [{"n1": "1:4:4", "n2": "1:0:4"}]
+    await m.unlock(P, "n2", "n1", ["a"])
+    assert (await m.dump(P))["locks"] == {}
+    if isinstance(m, MemoryMetadata):
+        m.validate(P)
+
+
 async def check_invariants(m: Metadata, held: dict[str, set[str]]) -> None:
     dump = await m.dump(P)
     providers: dict[str, dict[str, str]] = dump["providers"]  # type: ignore[assignment]

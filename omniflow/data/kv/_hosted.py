@@ -37,7 +37,9 @@ DEFAULT_TIMEOUT = 30.0
 # not use them reads as before).
 #: operation -> kinds of its arguments after the pool name.
 OPS: dict[str, str] = {
-    "register": "sd",
+    "register": "sd|i",
+    "heartbeat": "si",
+    "sweep": "",
     "nodes": "l",
     "publish": "soll",
     "provide": "sll",
@@ -178,8 +180,17 @@ class HostedMetadata(Metadata):
         finally:
             self._waiting.pop(r, None)
 
-    async def register(self, pool: str, node: str, info: dict[str, str]) -> None:
-        await self._call("register", pool, node, dict(info))
+    async def register(self, pool: str, node: str, info: dict[str, str], ttl_ms: int = 0) -> None:
+        args: list[Any] = [node, dict(info), int(ttl_ms)] if ttl_ms else [node, dict(info)]
+        await self._call("register", pool, *args)
+
+    async def heartbeat(self, pool: str, node: str, ttl_ms: int) -> bool:
+        out: bool = await self._call("heartbeat", pool, node, int(ttl_ms))
+        return out
+
+    async def sweep(self, pool: str) -> list[str]:
+        out: list[str] = await self._call("sweep", pool)
+        return out
 
     async def nodes(self, pool: str, names: Sequence[str]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = await self._call("nodes", pool, list(names))

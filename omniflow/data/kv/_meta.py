@@ -12,6 +12,17 @@ every write and every match one Lua script, other reads one pipeline). Per pool:
   dropped by its provider (another process reads it in place or pulls it).
 - *run locks*: session -> count of calls of that session holding pages; while it is non-zero
   the session's pages may move down a tier but their last replica is not dropped.
+- *leases*: node -> when it is forgotten unless it ``heartbeat`` s first. A pool registers with a
+  lease and renews it; a node whose lease ran out is forgotten as by ``leave`` (its replicas,
+  its reader locks, its record), so a provider that died leaves every chain within its lease.
+  Every ``match``, ``lock`` and ``heartbeat`` forgets the expired nodes first, so no answer
+  names a provider past its lease. A node registered without a lease is never expired.
+  A node forgotten (expired, left, or proven gone) stays *expired* until it registers again:
+  meanwhile it provides nothing (``publish`` adds its pages to chains only where another node
+  provides them, ``provide`` refuses) and locks nothing, so a node that was only stalled
+  cannot leave an unleased replica or lock behind if it dies before its next ``heartbeat``.
+  Locks other nodes hold on a forgotten node's replicas stay until their readers unlock them:
+  a stalled provider that comes back still finds the pages it lent protected.
 
 ``evict`` applies the paper's three protections atomically: a replica with a reader lock is
 refused; the last replica of a page in a running session's chain is refused; dropping the last
@@ -21,6 +32,7 @@ each chain stays completely covered.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -48,8 +60,19 @@ class Metadata(ABC):
     round_trips: int = 0
 
     @abstractmethod
-    async def register(self, pool: str, node: str, info: dict[str, str]) -> None:
-        """Announce ``node`` (a pool instance: host, shm prefix, pull address, layout)."""
+    async def register(self, pool: str, node: str, info: dict[str, str], ttl_ms: int = 0) -> None:
+        """Announce ``node`` (a pool instance: host, shm prefix, pull address, layout); with
+        ``ttl_ms`` > 0 under a lease of that many milliseconds (0: no lease, never expired)."""
+
+    @abstractmethod
+    async def heartbeat(self, pool: str, node: str, ttl_ms: int) -> bool:
+        """Forget the nodes whose lease ran out, then renew ``node``'s lease for ``ttl_ms``
+        from now; False (nothing renewed) when ``node`` is not registered any more: it was
+        forgotten, and registers again."""
+
+    @abstractmethod
+    async def sweep(self, pool: str) -> list[str]:
+        """Forget every node whose lease ran out (as ``leave``); their names, sorted."""
 
     @abstractmethod
     async def nodes(self, pool: str, names: Sequence[str]) -> dict[str, dict[str, str]]: ...
@@ -96,7 +119,9 @@ class Metadata(ABC):
 
     @abstractmethod
     async def leave(self, pool: str, node: str) -> None:
-        """Forget ``node``: every replica it provides and every lock it holds as a reader."""
+        """Forget ``node``: every replica it provides and every lock it holds as a reader.
+        Also called by another node that has proof ``node`` is gone (its shared memory or its
+        process vanished); a live node forgotten so learns it at its next ``heartbeat``."""
 
     @abstractmethod
     async def dump(self, pool: str) -> dict[str, object]:
@@ -126,11 +151,21 @@ class Metadata(ABC):
         return None
 
 
+#: Seconds a forgotten node stays marked expired (one that has not registered again by then
+#: never will: it is long dead).
+EXPIRED_FOR = 24 * 3600.0
+
+
 class _PoolMeta:
-    __slots__ = ("chains", "locks", "nodes", "providers", "runs", "sessions", "subs")
+    __slots__ = ("chains", "expired", "leases", "locks", "nodes", "providers", "runs",
+                 "sessions", "subs")  # fmt: skip
 
     def __init__(self) -> None:
         self.nodes: dict[str, dict[str, str]] = {}
+        #: node -> clock time its lease runs out (only nodes registered with a lease)
+        self.leases: dict[str, float] = {}
+        #: forgotten node -> clock time it was forgotten (until it registers again)
+        self.expired: dict[str, float] = {}
         self.chains: dict[str, set[str]] = {}
         #: key -> chains holding it
         self.sessions: dict[str, set[str]] = {}
@@ -142,10 +177,14 @@ class _PoolMeta:
 
 
 class MemoryMetadata(Metadata):
-    """The metadata in this process's memory; every method is atomic (no await inside)."""
+    """The metadata in this process's memory; every method is atomic (no await inside).
 
-    def __init__(self) -> None:
+    ``clock`` (seconds, monotonic) times the leases; tests pass their own to expire one.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._pools: dict[str, _PoolMeta] = {}
+        self._clock = clock
         self.round_trips = 0
         #: (pool, node) -> where its notifications go
         self._listeners: dict[tuple[str, str], Notify] = {}
@@ -178,8 +217,36 @@ class MemoryMetadata(Metadata):
         self.round_trips += 1
         return self._pools.setdefault(pool, _PoolMeta())
 
-    async def register(self, pool: str, node: str, info: dict[str, str]) -> None:
-        self._p(pool).nodes[node] = dict(info)
+    async def register(self, pool: str, node: str, info: dict[str, str], ttl_ms: int = 0) -> None:
+        p = self._p(pool)
+        p.nodes[node] = dict(info)
+        p.expired.pop(node, None)
+        if ttl_ms > 0:
+            p.leases[node] = self._clock() + ttl_ms / 1000
+        else:
+            p.leases.pop(node, None)
+
+    async def heartbeat(self, pool: str, node: str, ttl_ms: int) -> bool:
+        p = self._p(pool)
+        self._sweep(pool, p)
+        if node not in p.nodes:
+            return False
+        p.leases[node] = self._clock() + ttl_ms / 1000
+        return True
+
+    async def sweep(self, pool: str) -> list[str]:
+        return self._sweep(pool, self._p(pool))
+
+    def _sweep(self, pool: str, p: _PoolMeta) -> list[str]:
+        if not p.leases:
+            return []
+        now = self._clock()
+        dead = sorted(n for n, until in p.leases.items() if until <= now)
+        for node in dead:
+            self._forget(pool, p, node)
+        for node in [n for n, when in p.expired.items() if when + EXPIRED_FOR <= now]:
+            del p.expired[node]
+        return dead
 
     async def nodes(self, pool: str, names: Sequence[str]) -> dict[str, dict[str, str]]:
         p = self._p(pool)
@@ -191,8 +258,9 @@ class MemoryMetadata(Metadata):
         p = self._p(pool)
         name = chain_name(session)
         joined = []
+        gone = node in p.expired
         for key, loc in zip(keys, locs, strict=True):
-            if loc:  # "": chain only (the page is provided by another node)
+            if loc and not gone:  # "": chain only (the page is provided by another node)
                 p.providers.setdefault(key, {})[node] = loc
             if p.providers.get(key):
                 p.chains.setdefault(name, set()).add(key)
@@ -207,7 +275,7 @@ class MemoryMetadata(Metadata):
         p = self._p(pool)
         out = []
         for key, loc in zip(keys, locs, strict=True):
-            ok = key in p.sessions  # a page already dropped everywhere stays dropped
+            ok = key in p.sessions and node not in p.expired  # a dropped page stays dropped
             if ok:
                 p.providers.setdefault(key, {})[node] = loc
             out.append(ok)
@@ -217,6 +285,7 @@ class MemoryMetadata(Metadata):
         self, pool: str, session: str | None, keys: Sequence[str], run: bool = False
     ) -> list[dict[str, str]]:
         p = self._p(pool)
+        self._sweep(pool, p)
         if run and session is not None:
             p.runs[chain_name(session)] = p.runs.get(chain_name(session), 0) + 1
         mine = p.chains.get(chain_name(session), set())
@@ -270,10 +339,11 @@ class MemoryMetadata(Metadata):
         self, pool: str, reader: str, provider: str, keys: Sequence[str]
     ) -> list[str | None]:
         p = self._p(pool)
+        self._sweep(pool, p)
         out: list[str | None] = []
         for key in keys:
             loc = p.providers.get(key, {}).get(provider)
-            if loc == "m":  # being moved: nothing to lock in place
+            if loc == "m" or reader in p.expired:  # being moved, or a forgotten reader
                 loc = None
             if loc is not None:
                 held = p.locks.setdefault((key, provider), {})
@@ -303,8 +373,12 @@ class MemoryMetadata(Metadata):
             p.runs.pop(name, None)
 
     async def leave(self, pool: str, node: str) -> None:
-        p = self._p(pool)
+        self._forget(pool, self._p(pool), node)
+
+    def _forget(self, pool: str, p: _PoolMeta, node: str) -> None:
         p.nodes.pop(node, None)
+        p.leases.pop(node, None)
+        p.expired[node] = self._clock()
         self._listeners.pop((pool, node), None)
         for name in list(p.subs):
             p.subs[name].discard(node)
@@ -312,8 +386,7 @@ class MemoryMetadata(Metadata):
                 del p.subs[name]
         for key in [k for k, prov in p.providers.items() if node in prov]:
             prov = p.providers[key]
-            del prov[node]
-            p.locks.pop((key, node), None)
+            del prov[node]  # (readers' locks on it stay until they unlock)
             if not prov:
                 self._drop_page(p, key)
         for lk in list(p.locks):
@@ -330,3 +403,27 @@ class MemoryMetadata(Metadata):
             "runs": dict(p.runs),
             "subs": {c: sorted(n) for c, n in p.subs.items()},
         }
+
+    def validate(self, pool: str) -> None:
+        """Check the pool's invariants; raises ``AssertionError`` (tests call it at every step)."""
+        p = self._pools.get(pool)
+        if p is None:
+            return
+        for name, chain in p.chains.items():
+            assert chain, f"chain {name} is empty but kept"
+            for key in chain:
+                assert p.providers.get(key), f"chain {name} names {key}, which nobody provides"
+                assert name in p.sessions.get(key, ()), f"{key} does not list its chain {name}"
+        for key, names in p.sessions.items():
+            assert names and all(key in p.chains.get(c, ()) for c in names), f"{key}: {names}"
+        for key, prov in p.providers.items():
+            assert prov, f"page {key} kept with no provider"
+        for (key, node), held in p.locks.items():
+            assert held and all(n > 0 for n in held.values()), f"lock {key}|{node}: {held}"
+        for node in p.leases:
+            assert node in p.nodes, f"lease of {node}, which is not registered"
+        for node in p.expired:
+            assert node not in p.nodes, f"{node} is registered and marked expired"
+            assert not any(node in prov for prov in p.providers.values()), f"{node} provides"
+            assert not any(node in held for held in p.locks.values()), f"{node} holds locks"
+        assert all(n > 0 for n in p.runs.values()), f"run locks {p.runs}"

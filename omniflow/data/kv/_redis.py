@@ -12,6 +12,11 @@ nothing read from Redis is ever unpickled):
     R             hash   chain -> count of calls of that session holding pages (run lock)
     X:{node}      set    pages the node provides (for ``leave``)
     RL:{reader}   set    "key\\nprovider" the reader has locked (for ``leave``)
+    T             zset   node -> Redis time (ms) its lease runs out (nodes with a lease)
+    E:{node}      string a forgotten node, until it registers again (expires after a day)
+
+Leases are timed by the Redis server's clock (``TIME`` inside the scripts), so the nodes'
+clocks never need to agree.
 
 The scripts build key names from the prefix, so they assume one Redis (no Cluster). What each
 guarantees is in ``design/ARCHITECTURE.md`` ("Global Params Pool").
@@ -48,8 +53,76 @@ local function drop_page(pre, key)
 end
 """
 
-#: ARGV: prefix, node, json
-REGISTER = "redis.call('HSET', ARGV[1] .. 'N', ARGV[2], ARGV[3]) return 1"
+#: Forgetting a node (``leave``, an expired lease): its replicas, its locks, its record.
+_FORGET = (
+    _DROP_PAGE
+    + """
+local function forget(pre, node)
+  for _, key in ipairs(redis.call('SMEMBERS', pre .. 'X:' .. node)) do
+    local P = pre .. 'P:' .. key
+    redis.call('HDEL', P, node)           -- (readers' locks on it stay until they unlock)
+    if redis.call('HLEN', P) == 0 then drop_page(pre, key) end
+  end
+  for _, entry in ipairs(redis.call('SMEMBERS', pre .. 'RL:' .. node)) do
+    local sep = string.find(entry, '\\n', 1, true)
+    local L = pre .. 'L:' .. string.sub(entry, 1, sep - 1) .. ':' .. string.sub(entry, sep + 1)
+    redis.call('HDEL', L, node)
+  end
+  redis.call('DEL', pre .. 'X:' .. node, pre .. 'RL:' .. node)
+  redis.call('HDEL', pre .. 'N', node)
+  redis.call('ZREM', pre .. 'T', node)
+  redis.call('SET', pre .. 'E:' .. node, '1', 'EX', 86400)
+end
+"""
+)
+
+#: The server's time in ms, and forgetting every node whose lease ran out by then.
+_SWEEP = (
+    _FORGET
+    + """
+if redis.replicate_commands then redis.replicate_commands() end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function sweep(pre)
+  local dead = redis.call('ZRANGEBYSCORE', pre .. 'T', '-inf', now_ms())
+  for _, node in ipairs(dead) do forget(pre, node) end
+  return dead
+end
+"""
+)
+
+#: ARGV: prefix, node, json, ttl_ms ("0": no lease)
+REGISTER = (
+    _SWEEP
+    + """
+local pre, node, ttl = ARGV[1], ARGV[2], tonumber(ARGV[4])
+redis.call('HSET', pre .. 'N', node, ARGV[3])
+redis.call('DEL', pre .. 'E:' .. node)
+if ttl > 0 then
+  redis.call('ZADD', pre .. 'T', now_ms() + ttl, node)
+else
+  redis.call('ZREM', pre .. 'T', node)
+end
+return 1
+"""
+)
+
+#: ARGV: prefix, node, ttl_ms. Returns 1 (renewed) or 0 (not registered: forgotten).
+HEARTBEAT = (
+    _SWEEP
+    + """
+local pre, node = ARGV[1], ARGV[2]
+sweep(pre)
+if redis.call('HEXISTS', pre .. 'N', node) == 0 then return 0 end
+redis.call('ZADD', pre .. 'T', now_ms() + tonumber(ARGV[3]), node)
+return 1
+"""
+)
+
+#: ARGV: prefix. Returns the nodes forgotten.
+SWEEP = _SWEEP + "return sweep(ARGV[1])"
 
 #: ARGV: prefix, node, chain, notice, key1, loc1, ... ; loc "" = chain only. A page joins a
 #: chain only while it has a provider, so no chain ever names a page nobody holds. The chain's
@@ -57,9 +130,10 @@ REGISTER = "redis.call('HSET', ARGV[1] .. 'N', ARGV[2], ARGV[3]) return 1"
 PUBLISH = """
 local pre, node, chain, notice = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local joined = {}
+local gone = redis.call('EXISTS', pre .. 'E:' .. node) == 1
 for i = 5, #ARGV, 2 do
   local key, loc = ARGV[i], ARGV[i + 1]
-  if loc ~= '' then
+  if loc ~= '' and not gone then
     redis.call('HSET', pre .. 'P:' .. key, node, loc)
     redis.call('SADD', pre .. 'X:' .. node, key)
   end
@@ -79,9 +153,10 @@ return 1
 PROVIDE = """
 local pre, node = ARGV[1], ARGV[2]
 local out = {}
+local gone = redis.call('EXISTS', pre .. 'E:' .. node) == 1
 for i = 3, #ARGV, 2 do
   local key = ARGV[i]
-  if redis.call('EXISTS', pre .. 'S:' .. key) == 1 then
+  if not gone and redis.call('EXISTS', pre .. 'S:' .. key) == 1 then
     redis.call('HSET', pre .. 'P:' .. key, node, ARGV[i + 1])
     redis.call('SADD', pre .. 'X:' .. node, key)
     out[#out + 1] = 1
@@ -130,13 +205,17 @@ return out
 )
 
 #: ARGV: prefix, reader, provider, key1, ... ; returns each location ("" = none, not locked).
-LOCK = """
+LOCK = (
+    _SWEEP
+    + """
 local pre, reader, provider = ARGV[1], ARGV[2], ARGV[3]
+sweep(pre)
 local out = {}
+local gone = redis.call('EXISTS', pre .. 'E:' .. reader) == 1
 for i = 4, #ARGV do
   local key = ARGV[i]
   local loc = redis.call('HGET', pre .. 'P:' .. key, provider)
-  if loc and loc ~= 'm' then
+  if loc and loc ~= 'm' and not gone then
     redis.call('HINCRBY', pre .. 'L:' .. key .. ':' .. provider, reader, 1)
     redis.call('SADD', pre .. 'RL:' .. reader, key .. '\\n' .. provider)
     out[#out + 1] = loc
@@ -146,6 +225,7 @@ for i = 4, #ARGV do
 end
 return out
 """
+)
 
 #: ARGV: prefix, reader, provider, key1, ...
 UNLOCK = """
@@ -166,8 +246,11 @@ return 1
 #: ARGV: prefix, chain, public chain, run ("1": take the chain's run lock), key1, ...
 #: Returns the providers (flat HGETALL lists) of the longest prefix of the keys that is in the
 #: chain or the public one and has a provider: a caller's whole match is this one request.
-MATCH = """
+MATCH = (
+    _SWEEP
+    + """
 local pre, chain, public = ARGV[1], ARGV[2], ARGV[3]
+sweep(pre)
 if ARGV[4] == '1' then redis.call('HINCRBY', pre .. 'R', chain, 1) end
 local mine = pre .. 'C:' .. chain
 local pub = pre .. 'C:' .. public
@@ -183,6 +266,7 @@ for i = 5, #ARGV do
 end
 return out
 """
+)
 
 #: ARGV: prefix, chain, delta
 RUN = """
@@ -192,26 +276,7 @@ return n
 """
 
 #: ARGV: prefix, node
-LEAVE = (
-    _DROP_PAGE
-    + """
-local pre, node = ARGV[1], ARGV[2]
-for _, key in ipairs(redis.call('SMEMBERS', pre .. 'X:' .. node)) do
-  local P = pre .. 'P:' .. key
-  redis.call('HDEL', P, node)
-  redis.call('DEL', pre .. 'L:' .. key .. ':' .. node)
-  if redis.call('HLEN', P) == 0 then drop_page(pre, key) end
-end
-for _, entry in ipairs(redis.call('SMEMBERS', pre .. 'RL:' .. node)) do
-  local sep = string.find(entry, '\\n', 1, true)
-  local L = pre .. 'L:' .. string.sub(entry, 1, sep - 1) .. ':' .. string.sub(entry, sep + 1)
-  redis.call('HDEL', L, node)
-end
-redis.call('DEL', pre .. 'X:' .. node, pre .. 'RL:' .. node)
-redis.call('HDEL', pre .. 'N', node)
-return 1
-"""
-)
+LEAVE = _FORGET + "forget(ARGV[1], ARGV[2]) return 1"
 
 
 class RedisMetadata(Metadata):
@@ -226,6 +291,8 @@ class RedisMetadata(Metadata):
             name: self._r.register_script(src)
             for name, src in {
                 "register": REGISTER,
+                "heartbeat": HEARTBEAT,
+                "sweep": SWEEP,
                 "publish": PUBLISH,
                 "provide": PROVIDE,
                 "match": MATCH,
@@ -276,8 +343,15 @@ class RedisMetadata(Metadata):
     def _pre(pool: str) -> str:
         return f"ofkv:{pool}:"
 
-    async def register(self, pool: str, node: str, info: dict[str, str]) -> None:
-        await self._call("register", [self._pre(pool), node, json.dumps(info, sort_keys=True)])
+    async def register(self, pool: str, node: str, info: dict[str, str], ttl_ms: int = 0) -> None:
+        doc = json.dumps(info, sort_keys=True)
+        await self._call("register", [self._pre(pool), node, doc, int(ttl_ms)])
+
+    async def heartbeat(self, pool: str, node: str, ttl_ms: int) -> bool:
+        return bool(await self._call("heartbeat", [self._pre(pool), node, int(ttl_ms)]))
+
+    async def sweep(self, pool: str) -> list[str]:
+        return sorted(await self._call("sweep", [self._pre(pool)]))
 
     async def nodes(self, pool: str, names: Sequence[str]) -> dict[str, dict[str, str]]:
         if not names:
