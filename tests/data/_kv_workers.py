@@ -53,3 +53,27 @@ async def _provider(url: str, info: Any, b_read: Any, a_wrote: Any, done: Any) -
         await asyncio.get_running_loop().run_in_executor(None, done.wait, 60)
     finally:
         await pool.aclose()
+
+
+def doomed_provider(url: str, info: Any) -> None:
+    """A provider that publishes the 32-page chain into its L2, says so, and waits to be killed
+    (SIGKILL: it never leaves the metadata; a lease it renews would outlive the test)."""
+    asyncio.run(_doomed_provider(url, info))
+
+
+async def _doomed_provider(url: str, info: Any) -> None:
+    pool = of.ParamsPool(
+        "kv", LAYOUT, {"l1": PAGES, "l2": 2 * PAGES}, metadata=url, provider_ttl=600.0
+    )
+    slots = await pool.alloc("turn-1", PAGES)
+    for key, slot in zip(keys(), slots, strict=True):
+        for (sub, sl), t in page_bytes(key).items():
+            pool.view(slot, sub, sl).copy_(t)
+    await pool.publish("chat", keys(), slots)
+    await pool.release("turn-1")
+    await pool.alloc("burst", PAGES)  # the chain moves down to L2 (shared memory)
+    await pool.release("burst")
+    assert pool.stats()["pages"]["l2"] == PAGES
+    assert pool._store is not None
+    info.put((pool.node, pool._store.prefix, len(LAYOUT.coords())))
+    await asyncio.sleep(3600)  # until killed

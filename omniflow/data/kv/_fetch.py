@@ -5,29 +5,62 @@ pages is fetched from one provider: on the same host, if the provider holds it i
 are locked there and viewed in place (*foreign* slots: no byte copied); otherwise a
 search-transfer-release pull (lock, reserve L1 slots, one sealed request, write, unlock,
 ``provide``). ``serve_pages`` is the other side of a pull.
+
+A provider that vanished is a miss, never an error: one on this host whose process is gone or
+whose shared memory is gone is *proven* gone and forgotten in the metadata at once (``leave``);
+one whose pull fails or times out is shunned for the chain (``_lease.Shunned``) until its lease
+would have run out. Either way no replica lock of the attempt is left held, and the match
+returns the prefix it had, so the caller recomputes the rest. Pulls wait out of the match's
+one ``Budget``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from omniflow._exceptions import DataError, PoolExhaustedError
+from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
+from omniflow.data.kv._lease import Budget
 from omniflow.data.kv._moves import PoolMoves
 from omniflow.data.kv._shell import Foreign, loc, parse_loc
 from omniflow.data.kv._slots import L1, L2
 
 logger = logging.getLogger("omniflow.kv")
 
-__all__ = ["PoolFetch"]
+__all__ = ["PoolFetch", "Want"]
+
+
+@dataclass(slots=True)
+class Want:
+    """What one match asks of the fetches it makes."""
+
+    #: The chain matched (``_meta.chain_name``): a vanished provider is shunned for it.
+    chain: str
+    #: The match's time for waiting on other nodes.
+    budget: Budget
+    #: Copy pages of other processes on this host instead of viewing them in place.
+    local: bool = False
+
+
+def _pid_gone(pid: str | None) -> bool:
+    """Whether no process ``pid`` runs on this host (False when unsure)."""
+    try:
+        os.kill(int(pid or ""), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, OverflowError, OSError):
+        return False  # no pid, or one we may not signal: it runs
+    return False
 
 
 class PoolFetch(PoolMoves):
     """Fetching pages of other processes and serving this one's."""
 
     async def _fetch(
-        self, keys: list[str], providers: list[dict[str, str]], owner: str, local: bool = False
+        self, keys: list[str], providers: list[dict[str, str]], owner: str, want: Want
     ) -> list[int]:
         """Pages this process does not hold, as a prefix of ``keys``: viewed in place from
         another process's L2 on this host, or pulled (one request) from another node. The
@@ -36,10 +69,10 @@ class PoolFetch(PoolMoves):
         loop = asyncio.get_running_loop()
         for key in keys:
             futs[key] = self._inflight[key] = loop.create_future()
-        self.counters["misses"] += len(keys)
         got: list[int] = []
         try:
-            got = await self._fetch_from_one(keys, providers, owner, local)
+            got = await self._fetch_from_one(keys, providers, owner, want)
+            self.counters["misses"] += len(got)  # (the rest: by the match, if it ends here)
         except PoolExhaustedError:
             raise
         except (DataError, asyncio.CancelledError):
@@ -56,9 +89,13 @@ class PoolFetch(PoolMoves):
         return got
 
     async def _fetch_from_one(
-        self, keys: list[str], providers: list[dict[str, str]], owner: str, local: bool = False
+        self, keys: list[str], providers: list[dict[str, str]], owner: str, want: Want
     ) -> list[int]:
-        usable = {n: loc for n, loc in providers[0].items() if loc[:1].isdigit() and n != self.node}
+        usable = {
+            n: loc
+            for n, loc in self._shunned.usable(want.chain, providers[0]).items()
+            if loc[:1].isdigit() and n != self.node
+        }
         if not usable:
             return []
         infos = await self._node_infos(sorted(usable))
@@ -75,21 +112,55 @@ class PoolFetch(PoolMoves):
                 tier, _, _ = parse_loc(usable[provider])
             except ValueError:  # a malformed location in the metadata: not a provider
                 continue
-            if not local and info.get("host") == self.host and info.get("shm") and tier == L2:
-                got = await self._share(keys[:n], provider, info, owner)
+            here = info.get("host") == self.host
+            if here and _pid_gone(info.get("pid")):
+                await self._vanished(provider, want, "its process is gone", proven=True)
+                continue
+            if not want.local and here and info.get("shm") and tier == L2:
+                got = await self._share(keys[:n], provider, info, owner, want)
             elif info.get("addr") and self._client is not None:
-                got = await self._pull(keys[:n], provider, info, owner)
+                if want.budget.left() <= 0:
+                    break  # the match has waited all it may: the rest is a miss
+                got = await self._pull(keys[:n], provider, info, owner, want)
             else:
                 continue
             if got:
                 return got
         return []
 
+    async def _vanished(self, provider: str, want: Want, why: str, *, proven: bool) -> None:
+        """``provider`` did not give what the metadata said it holds: shun it for the chain;
+        ``proven`` gone (its process or its shared memory vanished from this host), forget it
+        in the metadata too, so no pool pays for it again."""
+        _, meta, _ = self._ready()
+        self._shunned.add(want.chain, provider)
+        self.counters["vanished"] += 1
+        if proven:
+            self.counters["proven_gone"] += 1
+            logger.info("pool '%s': provider %s is gone (%s)", self.name, provider, why)
+            await meta.leave(self.name, provider)
+            self._infos.pop(provider, None)
+            att = self._attached.get(provider)
+            if att is not None and not any(f.provider == provider for f in self._foreign.values()):
+                del self._attached[provider]
+                att.close()
+        else:
+            logger.warning("pool '%s': provider %s vanished (%s)", self.name, provider, why)
+
     async def _share(
-        self, keys: list[str], provider: str, info: dict[str, str], owner: str
+        self, keys: list[str], provider: str, info: dict[str, str], owner: str, want: Want
     ) -> list[int]:
         """Lock the provider's L2 replicas and view them in place (no copy of page bytes)."""
         _, meta, _ = self._ready()
+        if provider not in self._attached:  # mapped before any lock: a failure holds none
+            from omniflow.data.kv._tiers import ForeignL2
+
+            try:
+                self._attached[provider] = ForeignL2(self.layout, info["shm"], int(info["l2"]))
+            except (DataError, ValueError, OSError) as exc:
+                gone = isinstance(exc.__cause__, FileNotFoundError)
+                await self._vanished(provider, want, str(exc), proven=gone)
+                return []
         locs = await meta.lock(self.name, self.node, provider, keys)
         pages = [self._l2_page(loc, info) for loc in locs]
         n = 0
@@ -98,10 +169,6 @@ class PoolFetch(PoolMoves):
         extra = [k for k, loc in zip(keys[n:], locs[n:], strict=True) if loc is not None]
         if extra:  # moved since the match or past the run: not ours to hold
             await meta.unlock(self.name, self.node, provider, extra)
-        if provider not in self._attached and n:
-            from omniflow.data.kv._tiers import ForeignL2
-
-            self._attached[provider] = ForeignL2(self.layout, info["shm"], int(info["l2"]))
         out = []
         for key, page in zip(keys[:n], pages[:n], strict=True):
             assert page is not None
@@ -126,7 +193,7 @@ class PoolFetch(PoolMoves):
         return (index, fill) if ok else None
 
     async def _pull(
-        self, keys: list[str], provider: str, info: dict[str, str], owner: str
+        self, keys: list[str], provider: str, info: dict[str, str], owner: str, want: Want
     ) -> list[int]:
         """Search-transfer-release: lock the remote replicas, pull their bytes into L1 in one
         request, unlock, and register this pool as a provider too."""
@@ -151,7 +218,9 @@ class PoolFetch(PoolMoves):
                     self._core.mark(slot, "writes", task)
             assert self._client is not None
             try:
-                fills, data = await self._client.pull(info["addr"], self.name, provider, keys[:n])
+                fills, data = await self._client.pull(
+                    info["addr"], self.name, provider, keys[:n], timeout=want.budget.left()
+                )
                 if not all(0 <= f <= self.layout.page_tokens for f in fills):
                     raise DataError(f"pool '{self.name}': a pull answer has fills out of range")
                 if fills:
@@ -164,7 +233,9 @@ class PoolFetch(PoolMoves):
                 # No authentic, well-formed answer (a provider without this cluster key, gone,
                 # or refusing): nothing of it is used; the pages are a miss, recomputed.
                 self.counters["pull_failures"] += 1
-                logger.warning("pool '%s': pull from %s failed: %s", self.name, provider, exc)
+                if isinstance(exc, DataTimeoutError):
+                    want.budget.spend()
+                await self._vanished(provider, want, f"pull failed: {exc}", proven=False)
         finally:
             for slot in slots:
                 self._core.unmark(slot, "writes", task)

@@ -4,6 +4,12 @@ A match asks the metadata once (the session's run lock taken in the same request
 the chain: a run of pages held here is taken in one step (read back in one plan), a run nobody
 here holds is fetched from one provider, a page another task is fetching is awaited. It ends at
 the first page nobody can provide, or that L1 cannot pin.
+
+Misses count the pages of the published prefix this pool did not hold: those fetched from
+another process, and, where the match ends at a page nobody could give (a provider that
+vanished, ``_fetch``), that page and every page after it, which the caller recomputes.
+Providers shunned for the chain are not asked at all; a page only they hold ends the prefix
+(counted in ``shunned_pages``). All of a match's pulls wait out of one ``Budget``.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import asyncio
 from collections.abc import Sequence
 
 from omniflow._exceptions import PoolExhaustedError
-from omniflow.data.kv._fetch import PoolFetch
+from omniflow.data.kv._fetch import PoolFetch, Want
 from omniflow.data.kv._layout import Match
+from omniflow.data.kv._lease import Budget
+from omniflow.data.kv._meta import chain_name
 from omniflow.data.kv._shell import check_owner
 from omniflow.data.kv._slots import L1, unindex
 
@@ -43,7 +51,10 @@ class PoolMatch(PoolFetch):
         if new_run:
             assert session is not None
             self._runs.setdefault(owner, set()).add(session)
+        want = Want(chain_name(session), Budget(self.pull_timeout), local)
+        providers = self._unshunned(want.chain, keys, providers)
         got: list[int] = []
+        short = False  # the match ended where a fetch got nothing: the rest is missed
         i = 0
         while i < len(providers):
             key = keys[i]
@@ -63,28 +74,53 @@ class PoolMatch(PoolFetch):
                 ):
                     n += 1
                 try:
-                    slots = await self._fetch(keys[i : i + n], providers[i : i + n], owner, local)
+                    slots = await self._fetch(keys[i : i + n], providers[i : i + n], owner, want)
                 except PoolExhaustedError:
+                    short = True
                     break
                 got.extend(slots)
                 i += len(slots)
-                if len(slots) < n:
+                if not slots:  # nobody could give the page: the prefix ends here
+                    short = True
                     break
-                continue
+                continue  # (a shorter run: one provider's; the next run may be another's)
             try:
-                slot = await self._acquire(key, providers[i], owner)
+                slot = await self._acquire(key, providers[i], owner, want)
             except PoolExhaustedError:
                 s = self._core.lookup(key)
                 if s is not None and owner in s.active:
                     self._core.unpin(s.slot, owner)
+                short = True
                 break
             if slot is None:
+                short = True
                 break
             got.append(slot)
             i += 1
+        if short:  # each page of the rest is recomputed by the caller: a miss
+            self.counters["misses"] += len(providers) - i
         return Match(len(got), tuple(got))
 
-    async def _acquire(self, key: str, providers: dict[str, str], owner: str) -> int | None:
+    def _unshunned(
+        self, chain: str, keys: list[str], providers: list[dict[str, str]]
+    ) -> list[dict[str, str]]:
+        """``providers`` without those shunned for ``chain``, up to the first page that only
+        shunned providers hold (and this pool does not): the rest counts as missed."""
+        out = []
+        for key, prov in zip(keys, providers, strict=False):
+            live = self._shunned.usable(chain, prov)
+            if not live and self._core.lookup(key) is None:
+                break
+            out.append(live)
+        cut = len(providers) - len(out)
+        if cut:
+            self.counters["misses"] += cut
+            self.counters["shunned_pages"] += cut
+        return out
+
+    async def _acquire(
+        self, key: str, providers: dict[str, str], owner: str, want: Want
+    ) -> int | None:
         """One page of a match, pinned for ``owner``; concurrent misses share one future."""
         while True:
             s = self._core.lookup(key)
@@ -106,7 +142,7 @@ class PoolMatch(PoolFetch):
                 return got
             if got is None:
                 return None
-        slots = await self._fetch([key], [providers], owner)
+        slots = await self._fetch([key], [providers], owner, want)
         return slots[0] if slots else None
 
     async def release(self, owner: str) -> int:
@@ -136,6 +172,7 @@ class PoolMatch(PoolFetch):
         unindex(self._owner_foreign, owner, slot)
         if not f.owners:
             del self._foreign[slot]
+            self._unlocked.discard(slot)
             _, meta, _ = self._ready()
             await meta.unlock(self.name, self.node, f.provider, [f.key])
 

@@ -134,9 +134,11 @@ class ParamsPool(PoolSubscriptions):
                 else:
                     s = self._slot(slot)
                     fill = s.fill or self.layout.page_tokens
-                    mine = self._core.publish(slot, key, fill)
+                    held = s if self._core.publish(slot, key, fill) else self._core.lookup(key)
                     keys.append(key)
-                    locs.append(loc(s.tier, s.index, fill) if mine else "")
+                    # Another slot here may hold the key already: this pool provides it there
+                    # (say so again: the metadata may have forgotten this node meanwhile).
+                    locs.append(loc(held.tier, held.index, held.fill) if held else "")
                     owners = s.active
                 if session is not None:
                     for owner in owners:
@@ -182,6 +184,13 @@ class ParamsPool(PoolSubscriptions):
             "tasks": counts["tasks"],
             "owners": counts["owners"] + len(self._owner_foreign),
             "inflight": len(self._inflight),
+            "providers": {
+                "vanished": self.counters["vanished"],
+                "proven_gone": self.counters["proven_gone"],
+                "shunned": len(self._shunned),
+                "shunned_pages": self.counters["shunned_pages"],
+                "leases_lost": self.counters["leases_lost"],
+            },
             "wire": {
                 **self.wire.snapshot(),
                 "pull_failures": self.counters["pull_failures"],
@@ -198,6 +207,9 @@ class ParamsPool(PoolSubscriptions):
                 assert owner in self._foreign[slot].owners, f"foreign {slot}: {owner} not held"
         for slot, f in self._foreign.items():
             assert f.owners, f"foreign slot {slot} held by nobody (leaked lock)"
+            assert f.provider in self._attached, f"foreign slot {slot}: {f.provider} unmapped"
+        self._shunned.validate()
+        assert self._unlocked <= set(self._foreign), "an unlocked view that is not held"
 
     def __repr__(self) -> str:
         return f"<ParamsPool '{self.name}' {self.layout.layout_id} {self.capacity}>"

@@ -151,10 +151,20 @@ class PullClient:
         self._dealers.rekey(key)
 
     async def pull(
-        self, address: str, pool: str, node: str, keys: Sequence[str]
+        self,
+        address: str,
+        pool: str,
+        node: str,
+        keys: Sequence[str],
+        *,
+        timeout: float | None = None,
     ) -> tuple[list[int], list[Any]]:
         """The fills and page buffers of ``keys`` from the pool ``node`` at ``address``; a
-        DataError (or DataTimeoutError) when no authentic answer comes."""
+        DataError (or DataTimeoutError) when no authentic answer comes within ``timeout``
+        seconds (None: the client's ``timeout``; what is left of a match's budget)."""
+        wait = self.timeout if timeout is None else min(timeout, self.timeout)
+        if wait <= 0:
+            raise DataTimeoutError(f"pool '{pool}': no time left to pull from {address}")
         ep, sealer = self._dealers.get(address)
         nonce = secrets.token_bytes(NONCE_BYTES)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -162,11 +172,11 @@ class PullClient:
         try:
             msg = encode({"r": nonce, "pool": pool, "to": node, "k": list(keys)}, kind="pull")
             await ep.send(sealer.seal(msg))
-            body = await asyncio.wait_for(fut, self.timeout)
+            body = await asyncio.wait_for(fut, wait)
         except TimeoutError:
             raise DataTimeoutError(
                 f"pool '{pool}': pulling {len(keys)} pages from {address} took longer than "
-                f"{self.timeout} s (a provider that is gone, or one without this cluster key)"
+                f"{wait:.3g} s (a provider that is gone, or one without this cluster key)"
             ) from None
         finally:
             self._waiting.pop(nonce, None)

@@ -21,6 +21,7 @@ import collections
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import socket
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import DataError, RuntimeClosedError
 from omniflow.data.kv._layout import PageLayout
+from omniflow.data.kv._lease import Shunned
 from omniflow.data.kv._meta import MemoryMetadata, Metadata
 from omniflow.data.kv._notice import NoticeSeal
 from omniflow.data.kv._slots import TIERS, SlotCore
@@ -41,6 +43,8 @@ if TYPE_CHECKING:  # torch is imported when a pool opens, not with omniflow
 
 
 __all__ = ["HOST", "PoolShell"]
+
+logger = logging.getLogger("omniflow.kv")
 
 HOST = socket.gethostname()
 #: Foreign slots (another process's L2 page, viewed in place) get ids from here up.
@@ -97,6 +101,7 @@ class PoolShell:
         host: str | None = None,
         cluster_key: str | bytes | None = None,
         pull_timeout: float = 30.0,
+        provider_ttl: float | None = 30.0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise DataError(f"ParamsPool name must be a non-empty str, got {name!r}")
@@ -110,6 +115,9 @@ class PoolShell:
             raise DataError(f"pool '{name}': metadata must be None or a 'redis://' URL")
         if isinstance(metadata, str) and not metadata.startswith(("redis://", "rediss://")):
             raise DataError(f"pool '{name}': metadata must be a redis:// URL, got {metadata!r}")
+        for what, value in (("pull_timeout", pull_timeout), ("provider_ttl", provider_ttl)):
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise DataError(f"pool '{name}': {what} must be seconds > 0, got {value!r}")
         self.name = name
         self.layout = layout
         self.capacity = {t: int(cap.get(t, 0)) for t in TIERS}
@@ -146,14 +154,25 @@ class PoolShell:
         self.counters = {
             "hits": 0, "misses": 0, "bytes_moved": 0, "pulled": 0, "shared": 0,
             "notified": 0, "preloaded": 0, "pull_failures": 0, "forged_records": 0,
+            "vanished": 0, "proven_gone": 0, "shunned_pages": 0, "leases_lost": 0,
         }  # fmt: skip
         #: Subscribed chains (session; None: public) -> preload their published pages.
         self._subs: dict[str | None, bool] = {}
         #: The latest notification batches (session, hashes), newest last.
         self.notices: collections.deque[tuple[str | None, list[str]]] = collections.deque(maxlen=64)
         self._preloads: set[asyncio.Task[None]] = set()
-        #: Longest wait for a pull's answer before the pages count as a miss.
+        #: Longest wait of one match for other nodes' answers (all its pulls together) before
+        #: the pages not yet had count as a miss.
         self.pull_timeout = pull_timeout
+        #: Seconds of this node's lease in the metadata (renewed every third of it; None: no
+        #: lease, the node is forgotten only when it leaves or is proven gone).
+        self.provider_ttl = provider_ttl
+        #: Providers found vanished, per chain: skipped by matches until a lease has passed.
+        self._shunned = Shunned(provider_ttl or 2 * pull_timeout)
+        #: Views of other processes' pages whose replica lock is missing (both leases ran out).
+        self._unlocked: set[int] = set()
+        #: The task renewing the lease (started at open).
+        self._heartbeat: asyncio.Task[None] | None = None
         #: The cluster key that seals pulls (None: resolved at open, see ``set_cluster_key``).
         self._key: bytes | None = resolve_key(cluster_key)[0] if cluster_key is not None else None
         self._key_given = cluster_key is not None
@@ -219,8 +238,10 @@ class PoolShell:
             self._info = info
             self._seal = NoticeSeal(self.name, self.node, self._cluster_key(), self.notice_wire)
             self._meta.use_seal(self.name, self.node, self._seal)
-            await self._meta.register(self.name, self.node, self._signed(info))
+            await self._meta.register(self.name, self.node, self._signed(info), self._ttl_ms())
             self._store = store
+            if self.provider_ttl is not None:
+                self._heartbeat = asyncio.get_running_loop().create_task(self._keep_lease())
             self._opening.set_result(None)
         except BaseException as exc:
             self._opening.set_exception(exc)
@@ -265,6 +286,11 @@ class PoolShell:
         for task in list(self._preloads):
             task.cancel()
         await asyncio.gather(*list(self._preloads), return_exceptions=True)
+        beat, self._heartbeat = self._heartbeat, None
+        if beat is not None and not beat.done():
+            beat.cancel()
+            if beat.get_loop() is asyncio.get_running_loop():  # (a closed loop ended it)
+                await asyncio.gather(beat, return_exceptions=True)
         if self._server is not None:
             await self._server.close()
         if self._client is not None:
@@ -314,7 +340,9 @@ class PoolShell:
         ):  # rekeyed: sign the node record again
             self._resign = False
             self._infos.clear()
-            await self._meta.register(self.name, self.node, self._signed(self._info))
+            await self._meta.register(
+                self.name, self.node, self._signed(self._info), self._ttl_ms()
+            )
         return self._ready()
 
     def _ready_or_raise(self) -> tuple[TierStore, Metadata, asyncio.Lock]:
@@ -330,6 +358,88 @@ class PoolShell:
                 f"pool '{self.name}': slot {slot} is not live (released and evicted, or never "
                 "allocated); match the chain again to get a live slot"
             ) from None
+
+    # -- the lease: this node stays a provider while it lives ---------------------------------
+
+    def _ttl_ms(self) -> int:
+        return 0 if self.provider_ttl is None else max(1, round(self.provider_ttl * 1000))
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease every third of it; an unreachable metadata is logged and retried
+        (the lease may run out meanwhile: ``renew_lease`` then registers again)."""
+        assert self.provider_ttl is not None
+        failing = False
+        while True:
+            await asyncio.sleep(self.provider_ttl / 3)
+            try:
+                await self.renew_lease()
+                failing = False
+            except (DataError, RuntimeClosedError) as exc:
+                if self._closed:
+                    return
+                if not failing:
+                    logger.warning("pool '%s': renewing its lease failed: %s", self.name, exc)
+                failing = True
+
+    async def renew_lease(self) -> bool:
+        """Renew this node's lease now (the pool does it every third of ``provider_ttl``).
+
+        When the metadata had forgotten the node (its lease ran out while this process was
+        stalled, or another node took it for dead), the node registers again, provides again
+        every page it holds that is still in a chain, and locks again the replicas it views in
+        other processes' memory. Returns False in that case."""
+        _, meta, lock = await self._open()
+        if await meta.heartbeat(self.name, self.node, self._ttl_ms()):
+            if self._unlocked:
+                await self._relock(sorted(self._unlocked))
+            return True
+        self.counters["leases_lost"] += 1
+        assert self._info is not None
+        await meta.register(self.name, self.node, self._signed(self._info), self._ttl_ms())
+        async with lock:  # no plan is half done: every place read here is settled
+            mine = [s for s in self._core.slots() if s.key is not None
+                    and self._core.lookup(s.key) is s and not s.writes]  # fmt: skip
+            if mine:
+                await meta.provide(
+                    self.name, self.node, [s.key or "" for s in mine],
+                    [loc(s.tier, s.index, s.fill) for s in mine],
+                )  # fmt: skip
+        await self._relock(sorted(self._foreign))
+        await self._rejoined()
+        logger.warning("pool '%s': its lease had run out; registered again", self.name)
+        return False
+
+    async def _relock(self, slots: list[int]) -> None:
+        """Take again the replica locks of the views ``slots`` (exactly one each: what was
+        kept is given back first, never below zero). A view whose provider is not listed now
+        (forgotten too, not back yet) stays in ``_unlocked`` and is retried at each renewal."""
+        _, meta, _ = self._ready()
+        by_provider: dict[str, list[int]] = {}
+        for slot in slots:
+            f = self._foreign.get(slot)
+            if f is None:
+                self._unlocked.discard(slot)
+            else:
+                by_provider.setdefault(f.provider, []).append(slot)
+        for provider, views in sorted(by_provider.items()):
+            keys = [self._foreign[v].key for v in views]
+            await meta.unlock(self.name, self.node, provider, keys)
+            locs = await meta.lock(self.name, self.node, provider, keys)
+            for view, got in zip(views, locs, strict=True):
+                if got is None:
+                    self._unlocked.add(view)
+                else:
+                    self._unlocked.discard(view)
+        if self._unlocked:
+            logger.warning(
+                "pool '%s': %d pages it views in other processes' memory are not locked (their "
+                "provider's lease ran out too); retried at each renewal", self.name,
+                len(self._unlocked),
+            )  # fmt: skip
+
+    async def _rejoined(self) -> None:
+        """The node registered again after the metadata forgot it (subscriptions renew here)."""
+        return None
 
     # -- signed node records ------------------------------------------------------------------
 

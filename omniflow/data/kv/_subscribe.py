@@ -38,6 +38,14 @@ class PoolSubscriptions(PoolMatch):
         if self._subs.pop(session, None) is not None:
             await meta.subscribe(self.name, self.node, session, False)
 
+    async def _rejoined(self) -> None:
+        """Forgetting the node ended its subscriptions: take them again."""
+        _store, meta, _lock = self._ready()
+        if self._subs:
+            meta.listen(self.name, self.node, self._notified)
+        for session in list(self._subs):
+            await meta.subscribe(self.name, self.node, session, True)
+
     def _notified(self, pool: str, session: str | None, keys: list[str]) -> None:
         if pool != self.name or session not in self._subs or self._closed:
             return
