@@ -304,9 +304,12 @@ class World:
 
     async def jitter(self) -> None:
         r = self.rng.random()
-        if r < 0.2:
-            return  # no suspension at all: the shell's eager path
-        await asyncio.sleep(0 if r < 0.4 else self.rng.random() * 0.002)
+        # Everyday user code around the awaits: asyncio.timeout needs the method's one task
+        # (a failure here fails the method, and so the example).
+        async with asyncio.timeout(120):
+            if r < 0.2:
+                return  # no suspension at all: the method ends in its first step
+            await asyncio.sleep(0 if r < 0.4 else self.rng.random() * 0.002)
 
 
 def make_method(world: World, m: NodeModel) -> Callable[..., Any]:
