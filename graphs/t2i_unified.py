@@ -34,9 +34,10 @@ _SHARED: dict[str, Any] = {}
 
 
 def png_bytes(rgb: Any) -> bytes:
-    """Encode an (H, W, 3) uint8 array as a PNG (zlib + struct; no imaging dependency)."""
+    """Encode an (H, W, 3) uint8 tensor or array as a PNG (zlib + struct; no numpy, which
+    ``omniflow[compute]`` does not install)."""
     h, w, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
+    raw = b"".join(b"\x00" + bytes(rgb[y].reshape(-1).tolist()) for y in range(h))
 
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
@@ -147,7 +148,7 @@ def decode(latents: Any, patch: int = 8) -> Any:
     lat = latents.detach().float().cpu()
     tiles = torch.sigmoid(lat @ proj / dim**0.5).view(side, side, patch, patch, 3)
     img = tiles.permute(0, 2, 1, 3, 4).reshape(side * patch, side * patch, 3)
-    return (img * 255).round().to(torch.uint8).numpy()
+    return (img * 255).round().to(torch.uint8)
 
 
 class Vae(of.Role):

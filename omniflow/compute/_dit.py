@@ -253,7 +253,7 @@ def make_tiny_dit(
     seed: int = 0,
 ) -> Path:
     """Write a random-init DiT whose attention fits an LLM with those heads/head_dim/layers."""
-    from safetensors.torch import save_file
+    from omniflow.compute._bytes import save_safetensors
 
     cfg = DitConfig(latent_dim, num_tokens, layers, heads, kv_heads, head_dim, 4 * heads * head_dim)
     if heads % kv_heads:
@@ -286,7 +286,7 @@ def make_tiny_dit(
         }
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    save_file(w, str(root / "model.safetensors"))
+    save_safetensors(w, root / "model.safetensors")
     conf = {
         "architectures": [ARCH],
         "model_type": "omniflow_dit",

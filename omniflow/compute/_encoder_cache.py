@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from omniflow.compute._bytes import tensor_bytes
+
 __all__ = ["EncoderCache", "payload_key"]
 
 T = TypeVar("T")
@@ -43,9 +45,9 @@ def _feed(h: Any, payload: Any) -> None:
         h.update(b"(" + str(len(payload)).encode())
         for item in payload:
             _feed(h, item)
-    elif hasattr(payload, "numpy") and hasattr(payload, "shape"):  # torch.Tensor
-        arr = payload.detach().cpu().contiguous().numpy()
-        h.update(b"t" + str((arr.dtype.str, arr.shape)).encode() + arr.tobytes())
+    elif hasattr(payload, "data_ptr") and hasattr(payload, "shape"):  # torch.Tensor
+        kind = str((str(payload.dtype), tuple(payload.shape))).encode()
+        h.update(b"t" + kind + tensor_bytes(payload))
     elif hasattr(payload, "tobytes") and hasattr(payload, "shape"):  # numpy array
         h.update(b"a" + str((payload.dtype.str, payload.shape)).encode() + payload.tobytes())
     else:

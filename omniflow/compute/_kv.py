@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from omniflow._exceptions import OmniflowError
+from omniflow.compute._bytes import tensor_bytes
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._sequence import Sequence
 
@@ -124,9 +125,9 @@ def page_keys(seq: Sequence, n_pages: int, page_tokens: int) -> list[list[int] |
         if not rows:
             keys.append(seq.tokens[lo:hi])
             continue
-        key = b"e" + torch.tensor(seq.tokens[lo:hi], dtype=torch.int64).numpy().tobytes()
+        key = b"e" + tensor_bytes(torch.tensor(seq.tokens[lo:hi], dtype=torch.int64))
         for offset, part in rows:
-            data = part.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+            data = tensor_bytes(part)
             key += offset.to_bytes(4, "little") + str(part.dtype).encode() + data
         keys.append(key)
     return keys

@@ -5,9 +5,10 @@
 No model hub is needed: the weights are random (its words are noise) but the directory has the
 exact layout of a real checkpoint (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template), so the real loading code runs on it unchanged. It is
-written with what ``omniflow[compute]`` installs (torch, safetensors, tokenizers): transformers
-is not needed. Every tensor is random, norms and biases too (not left at their init constants 1
-and 0), so a loader that dropped or misplaced one would compute other tokens than transformers.
+written with what ``omniflow[compute]`` installs (torch, tokenizers; the safetensors files by
+``_bytes.save_safetensors``): neither transformers nor numpy is needed. Every tensor is
+random, norms and biases too (not left at their init constants 1 and 0), so a loader that
+dropped or misplaced one would compute other tokens than transformers.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def make_tiny_model(
 
 def _save(root: Path, tensors: dict[str, Any], shard_bytes: int | None) -> None:
     """``model.safetensors``, or shards of at most ``shard_bytes`` and their index."""
-    from safetensors.torch import save_file
+    from omniflow.compute._bytes import save_safetensors
 
     shards: list[dict[str, Any]] = [{}]
     size = 0
@@ -146,12 +147,12 @@ def _save(root: Path, tensors: dict[str, Any], shard_bytes: int | None) -> None:
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(root / "model.safetensors"), metadata=meta)
+        save_safetensors(shards[0], root / "model.safetensors", meta)
         return
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(root / file), metadata=meta)
+        save_safetensors(shard, root / file, meta)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

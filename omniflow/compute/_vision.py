@@ -120,7 +120,7 @@ def _weight_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
 
 def make_tiny_vision(path: str | Path, projection_dim: int, *, seed: int = 0, **shape: Any) -> Path:
     """Write a random-init encoder (config.json + model.safetensors) to ``path``."""
-    from safetensors.torch import save_file
+    from omniflow.compute._bytes import save_safetensors
 
     cfg = VisionConfig(projection_dim=projection_dim, **shape)
     out = Path(path)
@@ -134,7 +134,7 @@ def make_tiny_vision(path: str | Path, projection_dim: int, *, seed: int = 0, **
             weights[name] = torch.zeros(shp)
         else:
             weights[name] = torch.randn(shp, generator=gen) * shp[-1] ** -0.5
-    save_file(weights, str(out / "model.safetensors"))
+    save_safetensors(weights, out / "model.safetensors")
     cfg.save(out)
     return out
 
