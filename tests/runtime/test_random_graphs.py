@@ -32,6 +32,7 @@ error the test looks for.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import Counter
 from pathlib import Path
@@ -238,11 +239,80 @@ async def make_calls(rt: of.Runtime, world: World) -> Results:
     return list(await asyncio.gather(*(drain(c) for c in calls)))
 
 
+class _Errors(logging.Handler):
+    """Collects the error records omniflow logs (``Runtime(validate=True)`` logs a broken
+    invariant as an internal error)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def cancel_calls(rt: of.Runtime, world: World) -> None:
+    """Calls cut short: the caller leaves after 0, 1 or 2 frames, or cancels before the
+    first; the call ends "cancelled" (or finished first), and nothing of it is left."""
+    for k in range(4):
+        inputs = {p: _input(N_CALLS + k, p) for p in world.model.placeholders}
+        call = rt.call("rand", inputs)
+        if k == 3:
+            await call.cancel()
+        else:
+            seen = 0
+            async for _frame in call:
+                if seen == k:
+                    break
+                seen += 1
+        assert call.status in ("cancelled", "ok", "error"), call.status
+
+
+def check_session_group_order(rt: of.Runtime, results: Results) -> dict[str, int]:
+    """From each call's story: a group-ordered session node never released a later group's
+    activation (why "order") while an earlier group's bucket of its SeqId index gathered.
+    Returns how often each kind of release happened."""
+    kinds: Counter[str] = Counter()
+    for call, _frames in results:
+        gathering: dict[tuple[Any, ...], Any] = {}
+        for ev, d in rt.story(call.call_id):
+            if ev == "bucket":
+                gathering[(d["node"], d["group"], d["key"])] = d["seq"]
+            elif ev in ("fire", "dead"):
+                gathering.pop((d["node"], d["group"], d["key"]), None)
+            elif ev == "session":
+                kinds[d["why"]] += 1
+                if d["why"] != "order":
+                    continue
+                early = [
+                    k
+                    for k, seq in gathering.items()
+                    if k[0] == d["node"] and k[1] < d["group"] and seq == d["seq"]
+                ]
+                assert not early, f"{d} ran while {early} gathered"
+    return kinds
+
+
 async def run_calls(world: World, graph: of.Graph) -> Results:
-    async with of.Runtime(graph, validate=True) as rt:
-        results = await make_calls(rt, world)
-        stats = rt.stats()
-        assert {k: stats.get(k, 0) for k in ZERO} == ZERO, stats
+    errors = _Errors()
+    log = logging.getLogger("omniflow")
+    log.addHandler(errors)
+    try:
+        async with of.Runtime(graph, validate=True) as rt:
+            results = await make_calls(rt, world)
+            stats = rt.stats()
+            assert {k: stats.get(k, 0) for k in ZERO} == ZERO, stats
+            await cancel_calls(rt, world)
+            # Cancelled methods end on the loop's next turns: wait for them, not sleep.
+            await eventually(
+                lambda: {k: rt.stats().get(k, 0) for k in ZERO} == ZERO, "cancelled calls gone"
+            )
+            for why, n in check_session_group_order(rt, results).items():
+                event(f"session release: {why}{'+' if n > 1 else ''}")
+    finally:
+        log.removeHandler(errors)
+    # validate=True is an alarm: silent on every correct call, errors and cancels included.
+    assert not errors.records, [r.getMessage() for r in errors.records]
     return results
 
 
