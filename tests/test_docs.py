@@ -65,6 +65,21 @@ def test_committed_plan_picture_matches_the_graph(name: str) -> None:
     assert (ROOT / "docs" / f"{name}-plan.svg").stat().st_size > 0
 
 
+#: The team's contract, beside the checkout; docs/contract.md is its copy in the repository.
+SHARED_CONTRACT = ROOT.parent / "shared" / "CONTRACT.md"
+
+
+@pytest.mark.skipif(
+    not SHARED_CONTRACT.exists(), reason="no ../shared/CONTRACT.md beside this checkout"
+)
+def test_docs_contract_is_the_teams_contract() -> None:
+    copy = (ROOT / "docs" / "contract.md").read_text()
+    assert copy == SHARED_CONTRACT.read_text(), (
+        "docs/contract.md differs from ../shared/CONTRACT.md, the team's contract: copy it "
+        "over (cp ../shared/CONTRACT.md docs/contract.md) and commit"
+    )
+
+
 # -- the blocks ------------------------------------------------------------------------------
 
 
