@@ -235,9 +235,18 @@ def load_dit(
     root = Path(path)
     cfg = DitConfig.from_dir(root)
     dev, weights = load_checkpoint(root, cfg, device, dtype)
-    missing = [n for n in dit_tensor_names(cfg) if n not in weights]
+    names = dit_tensor_names(cfg)
+    missing = [n for n in names if n not in weights]
     if missing:
         raise checkpoint_mismatch(root, f"no tensor for {missing[:6]}", f"{cfg.num_layers} layers")
+    unexpected = sorted(set(weights) - set(names))
+    if unexpected:  # never dropped: a tensor the forward pass does not read is refused
+        raise ModelLoadError(
+            f"{root}: unexpected tensor {unexpected[0]}: OmniflowDiT ({cfg.num_layers} layers) "
+            f"has no such tensor ({len(unexpected)} unexpected in all)",
+            path=str(root),
+            tensor=unexpected[0],
+        )
     return DitModel(cfg, weights, dev)
 
 

@@ -167,6 +167,9 @@ class VisionEncoder:
         missing = sorted(set(expected) - set(weights))
         if missing:
             raise ValueError(f"vision encoder: weights missing {missing[:4]}")
+        unexpected = sorted(set(weights) - set(expected))
+        if unexpected:  # never dropped: a weight the forward pass does not read is refused
+            raise ValueError(f"vision encoder: unexpected weights {unexpected[:4]}")
         for name, shp in expected.items():
             if tuple(weights[name].shape) != shp:
                 raise ValueError(

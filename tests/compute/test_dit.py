@@ -312,6 +312,23 @@ def test_dit_config_must_name_the_architecture(tmp_path: Path) -> None:
         load_dit(root)
 
 
+def test_every_dit_tensor_is_used_or_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from omniflow.compute._bytes import save_safetensors
+
+    root = make_tiny_dit(tmp_path / "d", heads=2, kv_heads=1, head_dim=8, layers=1)
+    weights = load_file(str(root / "model.safetensors"))
+    load_dit(root)  # exactly what it reads
+    save_safetensors(
+        {**weights, "layers.1.q.weight": torch.zeros(16, 16)}, root / "model.safetensors"
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"unexpected tensor layers\.1\.q\.weight: OmniflowDiT"
+    ):
+        load_dit(root)
+
+
 async def test_private_pool_denoises_unconditioned(dirs: tuple[Path, Path]) -> None:
     async with DiTEngine(dirs[1], device="cpu", pool_pages=4) as dit:
         outs = await denoise(dit, DenoiseRequest(steps=3, seed=2))
