@@ -30,7 +30,7 @@ __all__ = ["placement_from_args", "register", "run"]
 
 N = TypeVar("N", int, float)
 
-#: Named placements (CONTRACT §5, §6); a JSON object is an omniflow.Deploy spec.
+#: Named placements (docs/contract.md §5, §6); a JSON object is an omniflow.Deploy spec.
 PLACEMENTS = ("inproc", "process", "ray")
 REGISTRY_SCHEMES = ("redis://", "rediss://", "unix://")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -187,7 +187,7 @@ def register(subparsers: Subparsers) -> None:
     p.set_defaults(handler=run)
 
 
-# -- server limits, Host checks, sessions, logging (CONTRACT §4) -----------------------------
+# -- server limits, Host checks, sessions, logging (docs/contract.md §4) ---------------------------
 
 
 def _add_limit_options(p: argparse.ArgumentParser) -> None:

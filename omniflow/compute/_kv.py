@@ -25,7 +25,7 @@ __all__ = ["KvCache", "L1Pages", "PagePool", "layer_names", "page_keys"]
 
 
 class PagePool(Protocol):
-    """The part of ``of.ParamsPool`` (CONTRACT §7) the engine uses."""
+    """The part of ``of.ParamsPool`` (docs/contract.md §7) the engine uses."""
 
     async def alloc(self, owner: str, n: int) -> list[int]: ...
 

@@ -411,7 +411,7 @@ def _build(
 
     order = bfs_order(succ, INPUT)
     node_order = tuple(n for n in order if n != INPUT)
-    # Plan order (CONTRACT §2): breadth-first from the inputs, successors by name; nodes no
+    # Plan order (docs/contract.md §2): breadth-first from the inputs, successors by name; nodes no
     # input reaches (none, once every node is fireable) last by name.
     node_order += tuple(sorted(set(specs) - set(node_order)))
 

@@ -844,7 +844,7 @@ class CallCore:
 
     def _pump_session(self, node: str, settled: bool = False, force: bool = False) -> None:
         """Release the next activation of a session node in SeqId order (Algorithm 1); within
-        one index, in OR-group order (CONTRACT §1). ``settled``: called by ``_settle`` with
+        one index, in OR-group order (docs/contract.md §1). ``settled``: called by ``_settle`` with
         every bucket decided that can be, so a bucket still gathering is waiting on work that
         is live now; ``force``: the call is stuck, release the first held-back activation."""
         sq = self._session[node]
@@ -981,7 +981,7 @@ class CallCore:
             if not self._held or self.running or self.closing:
                 return
             # Nothing runs and only held-back session work is left: the buckets it waits for
-            # can complete only through it, whatever the path (CONTRACT §1: the wait never
+            # can complete only through it, whatever the path (docs/contract.md §1: the wait never
             # deadlocks a call). The earliest node in plan order goes first.
             order = self.c.order
             self._pump_session(min(self._held, key=order.__getitem__), settled=True, force=True)
@@ -1075,7 +1075,7 @@ class CallCore:
         self._retire_bucket(bid, b, "dead")
         self._log("dead", bid[0], bid[1], bid[2], reason)
         if b.arrivals and b.dead_field is not None and not self.closing:
-            # Frames arrived and are lost with the bucket: say so (CONTRACT §3, warnings).
+            # Frames arrived and are lost with the bucket: say so (docs/contract.md §3, warnings).
             got = sorted(b.frames)
             self._warn(
                 bid[0],
@@ -1137,7 +1137,7 @@ class CallCore:
         gathering buckets. A count that reaches zero announces itself (``Liveness.dec``); this
         is the other drop a bucket must hear about: a bucket discounts itself at its own node,
         and a pending bucket counts as a possible producer of its node's outputs only until
-        the rest of the node's work is gone (CONTRACT §1, "a stream has ended")."""
+        the rest of the node's work is gone (docs/contract.md §1, "a stream has ended")."""
         live = self.live
         watched = live.watched
         bcounts = self.blive.counts
@@ -1191,7 +1191,7 @@ class CallCore:
             self._kill_bucket(bid, b, verdict.reason if type(verdict) is Dead else "quiescent")
             # Settled as if its open slots had ended, but a straggler may still come (a frame
             # of a field the cycle was holding back): the input rules hold for it exactly as
-            # for a bucket found DEAD by liveness (CONTRACT §1, "never silently dropped").
+            # for a bucket found DEAD by liveness (docs/contract.md §1, "never silently dropped").
             self._keep_rules(bid, b)
         if self.n_acts == 0 and not self.buckets and not self.running:
             for lt in self._latches.values():

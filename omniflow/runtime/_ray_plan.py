@@ -79,7 +79,7 @@ class RayPlan:
 
 
 class Ray:
-    """Place every role's replicas on Ray actors (CONTRACT §6).
+    """Place every role's replicas on Ray actors (docs/contract.md §6).
 
     >>> Ray({"llm": {"replicas": 2, "num_gpus": 1}})
     Ray({'llm': {'replicas': 2, 'num_gpus': 1}}, address=None)

@@ -1,4 +1,4 @@
-"""The ASGI app: CONTRACT §4's routes on Starlette, plus the OpenAI-compatible chat routes.
+"""The ASGI app: docs/contract.md §4's routes on Starlette, plus the OpenAI-compatible chat routes.
 
 >>> app = create_app("graphs/fig3.py", max_inflight=64)          # doctest: +SKIP
 >>> uvicorn.run(app)                                             # or: omniflow serve
@@ -73,7 +73,7 @@ _CALL_KEYS = ("inputs", "session", "stream", "timeout")
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error shape of CONTRACT §4: ``{"error": message}``."""
+    """The error shape of docs/contract.md §4: ``{"error": message}``."""
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 

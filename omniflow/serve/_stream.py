@@ -27,8 +27,8 @@ produced none of it)::
     {"outputs":{"token":["txt0:6",...],"picture":[[0.6]]},"status":"ok","errors":[],
      "warnings":[]}
 
-``warnings`` is ``call.warnings`` (CONTRACT §3: ``{"node", "field", "message"}`` for each DEAD
-bucket that had received frames). Errors carry the node's message, never its traceback: the
+``warnings`` is ``call.warnings`` (docs/contract.md §3: ``{"node", "field", "message"}`` for each
+DEAD bucket that had received frames). Errors carry the node's message, never its traceback: the
 server logs that, with the call id, graph and node (``_logging.log_call_end``), and logs a
 client's disconnect as one line.
 

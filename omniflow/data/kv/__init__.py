@@ -1,4 +1,4 @@
-"""The Global Params Pool: paged, tiered KV storage with shared metadata (CONTRACT section 7).
+"""The Global Params Pool: paged, tiered KV storage with shared metadata (docs/contract.md §7).
 
 Four layers, bottom up: the physical paging layer (``_layout``, ``_tiers``), the slot engine
 (``_sketch``, ``_slots``: a pure core), the metadata coordination (``_meta``, ``_redis``,

@@ -1,4 +1,4 @@
-"""``ParamsPool``: the Global Params Pool (CONTRACT section 7), its public surface.
+"""``ParamsPool``: the Global Params Pool (docs/contract.md §7), its public surface.
 
 >>> import asyncio
 >>> from omniflow.data.kv import PageLayout, chain_hashes
@@ -39,7 +39,7 @@ __all__ = ["ParamsPool", "chain_hashes"]
 
 
 class ParamsPool(PoolSubscriptions):
-    """Paged, tiered KV storage shared by roles, processes and nodes (CONTRACT section 7)."""
+    """Paged, tiered KV storage shared by roles, processes and nodes (docs/contract.md §7)."""
 
     # -- access -------------------------------------------------------------------------------
 
