@@ -90,19 +90,19 @@ async def resolve_pool(engine: EngineBase[Any, Any, Any], model: Any) -> PagePoo
     arg: Any = engine._pool_arg
     kind = type(engine).__name__
     if isinstance(arg, str):
-        from omniflow.dsl import context  # lazy: compute imports without a role running
+        from omniflow.dsl._context import role_pools  # lazy: compute imports without a role
 
         try:
-            pools = context().pools
+            pools = role_pools()
         except Exception as exc:
             raise EngineError(
-                f"{kind}(pool={arg!r}) looks the pool up in the role's context; start the "
-                "engine from the role's setup() or pass the ParamsPool object itself"
+                f"{kind}(pool={arg!r}) looks the pool up among the role's pools; start the "
+                "engine from the role's setup() or a method, or pass the ParamsPool itself"
             ) from exc
         if arg not in pools:
             raise EngineError(
-                f"no pool named {arg!r} in this graph (have {sorted(pools)}); declare "
-                f"TorchEngine.pool(model_dir, {arg!r}) in the graph's pools"
+                f"{kind}(pool={arg!r}): no pool named {arg!r} in the role's graphs (have "
+                f"{sorted(pools)}); declare {kind}.pool(model_dir, {arg!r}) in the graph's pools"
             )
         arg = pools[arg]
     if arg is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError
 
-__all__ = ["ActivationContext", "context"]
+__all__ = ["ActivationContext", "context", "role_pools"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,11 @@ class ActivationContext:
 #: ``activation_context()`` builds one, or a tuple ``(builder, *args)`` (most methods never ask,
 #: so the context is built only on demand).
 _current: ContextVar[Any] = ContextVar("omniflow_activation")
+#: Set by the runtime around a role's ``setup()``: that role's ``pools`` (so an engine started
+#: there resolves ``pool="name"`` as it would inside a method).
+_setup_pools: ContextVar[Mapping[str, Any] | None] = ContextVar(
+    "omniflow_setup_pools", default=None
+)
 
 
 def context() -> ActivationContext:
@@ -71,4 +76,22 @@ def context() -> ActivationContext:
     raise OmniflowError(
         "omniflow.context() was called outside a running interface method; call it from "
         "within a method decorated with @omniflow.interface while a graph call runs it"
+    )
+
+
+def role_pools() -> Mapping[str, Any]:
+    """The Params Pools of the role running in this task: the activation's inside a method, the
+    role's own in its ``setup()``; raises anywhere else."""
+    try:
+        cur = _current.get()
+    except LookupError:
+        cur = None
+    if cur is not None:
+        return context().pools
+    pools = _setup_pools.get()
+    if pools is not None:
+        return pools
+    raise OmniflowError(
+        "no role is running here: the graph's pools are reachable from a role's setup() or "
+        "from within an interface method"
     )

@@ -97,6 +97,9 @@ class Call:
         self._timeout: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timed_out = False
+        #: The release of the pages the call owned in the Params Pools, while it runs (set at
+        #: the end, before ``_done``): the caller's view of the end waits for it.
+        self._releasing: asyncio.Future[Any] | None = None
 
     def __repr__(self) -> str:
         return f"<Call {self.graph}#{self.call_id} session={self.session!r} {self.status}>"
@@ -161,6 +164,14 @@ class Call:
     def __aiter__(self) -> _Frames:
         return _Frames(self)
 
+    async def _settled(self) -> None:
+        """Wait for the release of the call's pool pages (set by the runtime at the end), so
+        that a caller who sees the end sees the pages unpinned too."""
+        releasing = self._releasing
+        if releasing is not None and not releasing.done():
+            with contextlib.suppress(Exception):  # (the runtime logs a failed release)
+                await asyncio.shield(releasing)
+
     def _left(self) -> None:
         """The caller left the stream before its end (break, exception, ``aclose``, task
         cancelled): cancel the call, and say so at once, before its methods have stopped."""
@@ -197,10 +208,12 @@ class Call:
         """Cancel the call and wait until nothing of it is left."""
         self._rt._cancel_call(self)
         await self._done.wait()
+        await self._settled()
 
     async def wait(self) -> str:
         """Wait for the end of the call (frames keep buffering); return the status."""
         await self._done.wait()
+        await self._settled()
         return self.status
 
     async def collect(self) -> dict[str, list[Any]]:
@@ -242,6 +255,7 @@ class _Frames:
                 return frame
             if call._done.is_set():
                 self._close()
+                await call._settled()
                 raise StopAsyncIteration
             call._waiter = asyncio.get_running_loop().create_future()
             try:

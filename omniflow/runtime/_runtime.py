@@ -5,9 +5,11 @@
 
 Concurrency model (design/ARCHITECTURE.md, "Concurrency"): one event loop, no locks. Every
 scheduling decision is a synchronous call into a ``CallCore``; between two awaits nothing else
-runs, so no decision can interleave with another. Methods start *eagerly*: the shell steps a
-new coroutine synchronously, and only if it suspends does it become a task. A chain of cheap
-nodes therefore costs no task switches, while a slow node never holds anyone else back.
+runs, so no decision can interleave with another. Every method runs inside one asyncio.Task
+from its first step to its end: a call's ready methods run one after another in an eagerly
+started *walker* task, and a method that suspends keeps its walker to its end while the rest
+go on in another (``_walk``; design/ARCHITECTURE.md, "Role methods run in tasks"). A chain of
+cheap nodes therefore costs one task, while a slow node never holds anyone else back.
 """
 
 from __future__ import annotations
@@ -441,6 +443,7 @@ class Runtime:
             for frame in call._frames:
                 out.setdefault(frame.field, []).append(frame.value)
             call._frames.clear()
+            await call._settled()  # (its pool pages, if it pinned any)
         else:
             out = await call.collect()
         for err in call.errors:
@@ -993,11 +996,14 @@ class Runtime:
         except Exception as exc:
             self._crash(call, exc)
 
-    def _release_pools(self, call_id: str) -> None:
-        """Unpin the pages the call holds in any Params Pool (ok, error or cancelled)."""
-        for pool in self._pools.values():
-            if pool.holds(call_id) and self._loop is not None:
-                self._track(self._loop.create_task(pool.release(call_id)))
+    def _release_pools(self, call: Call) -> None:
+        """Unpin the pages the call holds in any Params Pool (ok, error or cancelled); the
+        caller's view of the end (``wait``, the iterator's end, ``run``) waits for it."""
+        held = [p for p in self._pools.values() if p.holds(call.call_id)]
+        if held and self._loop is not None:
+            task = self._loop.create_task(_release(held, call.call_id))
+            self._track(task)
+            call._releasing = task
 
     def _finish_call(
         self,
@@ -1014,7 +1020,7 @@ class Runtime:
             timer.cancel()
         self._calls.pop(call.call_id, None)
         if self._pools:
-            self._release_pools(call.call_id)
+            self._release_pools(call)
         if self.remote is not None:
             self.remote.end_call(call.call_id)
         if self.plane is not None:
@@ -1052,12 +1058,30 @@ def _launcher(
     return RayLauncher(placement, placement.plan(role_modules), plane=plane)
 
 
+async def _release(pools: list[Any], call_id: str) -> None:
+    """Release ``call_id``'s pages in each pool; a failure is logged, the others go on."""
+    for pool in pools:
+        try:
+            await pool.release(call_id)
+        except Exception:
+            logger.exception("releasing call %s's pages in pool %r failed", call_id, pool.name)
+
+
 async def setup_role(name: str, setup: Any) -> None:
-    """Await a role's ``setup()``; a failure says which role (both placements use this)."""
+    """Await a role's ``setup()``; a failure says which role (both placements use this).
+
+    The role's ``pools`` are reachable while it runs (``omniflow.dsl._context.role_pools``), so
+    an engine built with ``pool="name"`` and started here finds the graph's pool."""
+    from omniflow.dsl._context import _setup_pools
+
+    pools = getattr(getattr(setup, "__self__", None), "pools", None)
+    token = _setup_pools.set(pools if pools is not None else MappingProxyType({}))
     try:
         await setup()
     except Exception as exc:
         raise OmniflowError(f"role '{name}' setup() failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _setup_pools.reset(token)
 
 
 def _read_refs(plane: DataPlane, value: Any) -> Any:
