@@ -1,4 +1,4 @@
-"""Where the engine meets the ``ParamsPool`` (CONTRACT §7): layout, lookup, page hashing.
+"""Where the engine meets the ``ParamsPool`` (docs/contract.md §7): layout, lookup, page hashing.
 
 >>> # pool = pool_for(ModelConfig.from_dir(d), "kv", capacity={"l1": 512})
 

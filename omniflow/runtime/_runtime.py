@@ -107,10 +107,10 @@ class Runtime:
     ...     async for frame in rt.call("a", {"x": 1}):
     ...         ...
 
-    ``placement`` selects where roles run (CONTRACT §5): ``"inproc"`` (every role in this
+    ``placement`` selects where roles run (docs/contract.md §5): ``"inproc"`` (every role in this
     event loop), ``"process"`` (every role in a worker process of its own) or
     ``omniflow.Deploy({...})`` (named process groups with replicas; other roles stay here) or
-    ``omniflow.Ray({...})`` (every role's replicas on Ray actors, CONTRACT §6).
+    ``omniflow.Ray({...})`` (every role's replicas on Ray actors, docs/contract.md §6).
     ``registry`` is a ``redis://`` URL for a shared ServiceRegistry (None: kept in memory);
     workers heartbeat every ``heartbeat_interval`` seconds from their event loop and count as
     lost (a spawned one is killed, then respawned with backoff) ``heartbeat_misses`` intervals
