@@ -236,7 +236,8 @@ def test_the_readme_deploy_file_plans_for_its_graph(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Scaling out", 1)[1]
     yaml_text, after = section.split("```yaml\n", 1)[1].split("```", 1)
-    command = after.split("```\n", 1)[1].split("```", 1)[0]
+    block = after.split("```bash\n", 1)[1].split("```", 1)[0]
+    command = "\n".join(ln for ln in block.splitlines() if not ln.startswith("#"))
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml_text)
     graph_file = command.split()[2]
