@@ -157,31 +157,60 @@ async def drive(
     agen: AsyncGenerator[Any, None],
     push: Callable[[Any], bool],
     space: Callable[[], Awaitable[None] | None] | None = None,
+    flush: Callable[[], None] | None = None,
+    burst: int = 64,
 ) -> BaseException | None:
     """Run a generator method to its end, handing each frame to ``push``.
 
     ``push(frame)`` returns False to stop the method early (its consumer is gone or refused
     the frame); an exception from it is the activation's error, like the method's own.
     ``space()`` returns something to await while the consumer is congested (None: go on).
-    Returns the error the method ended with (None: it finished, or was stopped by ``push``);
-    the generator is closed in every case.
+    With ``flush``, what the pushed frames make downstream is started by ``flush()``: before
+    the generator suspends, after ``burst`` frames, and at its end; frames it yields without
+    suspending are handed over together, inside this task's one step (design/ARCHITECTURE.md,
+    *Role methods run in tasks*). Returns the error the method ended with (None: it finished,
+    or was stopped by ``push``); the generator is closed in every case.
     """
     exc: BaseException | None = None
+    held = 0  # frames pushed whose downstream waits for ``flush``
     try:
         while True:
+            step = agen.__anext__()
             try:
-                frame = await agen.__anext__()
+                if flush is None:
+                    frame = await step
+                else:
+                    try:
+                        fut = step.send(None)  # type: ignore[attr-defined]
+                    except StopIteration as stop:
+                        frame = stop.value
+                    else:  # it suspends: what its frames made starts first
+                        if held:
+                            held = 0
+                            flush()
+                        frame = await Continue(step, fut)  # type: ignore[arg-type]
             except StopAsyncIteration:
                 break
             if not push(frame):
                 break
+            if flush is not None:
+                held += 1
+                if held >= burst:
+                    held = 0
+                    flush()
             if space is not None:
                 wait = space()
                 if wait is not None:
+                    if held and flush is not None:  # (about to suspend)
+                        held = 0
+                        flush()
                     await wait
     except (Exception, asyncio.CancelledError) as e:
         exc = e
     finally:
+        if held:
+            assert flush is not None
+            flush()
         try:
             await agen.aclose()
         except BaseException as e:  # a generator that misbehaves on close

@@ -815,22 +815,34 @@ class Runtime:
             self._ended(call, core, act, generator_end(task))
 
     async def _drive(self, call: Call, core: CallCore, act: Activation, agen: Any) -> None:
-        """Run a generator method here (``_drive.drive``): its frames go to the call core."""
+        """Run a generator method here (``_drive.drive``): its frames go to the call core at
+        once; the work they make starts in a walker at each ``flush`` (a frame the generator
+        yields without suspending is handed over with the others of its burst)."""
 
         def push(frame: Any) -> bool:
             if call.done:
                 return False
             try:
                 # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-                return self._step(call, core, _new(Produced, (act, frame)))
+                ins = core.handle(_new(Produced, (act, frame)))
+                self._apply(call, core, ins)
+                return ins.accepted
             except Exception as internal:
                 self._crash(call, internal)
                 return False
 
+        def flush() -> None:
+            if call.done:
+                return
+            try:
+                self._pump(call, core)
+            except Exception as internal:
+                self._crash(call, internal)
+
         def space() -> Any:
             return call._wait_space() if call._congested() else None
 
-        self._ended(call, core, act, await drive(agen, push, space))
+        self._ended(call, core, act, await drive(agen, push, space, flush))
 
     def _observe(self, call: Call, act: Activation, exc: BaseException | None) -> None:
         """Per-node metrics of an ended activation (only while metrics are on)."""

@@ -203,3 +203,50 @@ async def test_generator_end_reports_a_task_that_never_reported(how: str) -> Non
     end = generator_end(task)
     expected = OSError if how == "failed" else asyncio.CancelledError
     assert isinstance(end, expected)
+
+
+async def test_drive_hands_a_burst_over_before_the_generator_suspends() -> None:
+    """With ``flush``: frames yielded without suspending are flushed together; the flush
+    comes before the generator suspends, after ``burst`` frames, when congested, at the end."""
+    log: list[str] = []
+    congested = [False]
+
+    async def gen() -> AsyncIterator[int]:
+        for i in range(3):
+            log.append(f"make {i}")
+            yield i
+        await asyncio.sleep(0)  # suspends: 0..2's work starts before
+        log.append("resumed")
+        for i in range(3, 8):
+            yield i
+        congested[0] = True
+        yield 8
+        congested[0] = False
+        yield 9
+
+    async def relieved() -> None:
+        log.append("wait")
+
+    def push(frame: int) -> bool:
+        log.append(f"push {frame}")
+        return True
+
+    def space() -> Any:
+        return relieved() if congested[0] else None
+
+    exc = await drive(gen(), push, space, lambda: log.append("flush"), burst=4)
+    assert exc is None
+    flushes = [i for i, e in enumerate(log) if e == "flush"]
+    assert log[: flushes[0] + 1] == [
+        "make 0", "push 0", "make 1", "push 1", "make 2", "push 2", "flush"
+    ]  # fmt: skip
+    assert log.index("resumed") > flushes[0]
+    assert log[log.index("push 6") + 1] == "flush"  # 3..6: a burst of 4
+    assert log[log.index("push 8") + 1 : log.index("push 8") + 3] == ["flush", "wait"]
+    assert log[-1] == "flush" and log[-2] == "push 9"  # the end
+
+
+async def test_drive_without_flush_is_frame_by_frame() -> None:
+    pushed: list[int] = []
+    assert await drive(Gen(3)(), lambda f: pushed.append(f) is None) is None
+    assert pushed == [0, 1, 2]
