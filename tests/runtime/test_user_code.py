@@ -160,3 +160,39 @@ async def test_params_pool_with_redis_metadata_works_from_worker_methods(
     assert [o["pages"][0] for o in outs] == [
         {"alloc": n, "matched": n, "pinned": 0} for n in (1, 2, 3, 4)
     ]
+
+
+def test_on_uvloop_as_omniflow_serve_runs_the_front() -> None:
+    """The front of ``omniflow serve`` runs on uvloop: eager tasks there too."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        async with of.Runtime(ucg.everyday) as rt:
+            xs = list(range(300, 308))
+            outs = await asyncio.gather(
+                *(rt.run("everyday", {"x": x, "url": None, "redis_url": None}) for x in xs)
+            )
+            for x, out in zip(xs, outs, strict=True):
+                check(out, [x])
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+async def test_a_loop_that_cannot_start_tasks_eagerly_still_runs_methods_in_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a loop has no instance attributes, a walker starts on the next loop turn: slower,
+    the same semantics."""
+    from omniflow.runtime import _drive
+
+    monkeypatch.setattr(_drive, "_own", lambda loop: None)
+    async with of.Runtime(ucg.everyday, validate=True) as rt:
+        xs = list(range(400, 408))
+        outs = await asyncio.gather(
+            *(rt.run("everyday", {"x": x, "url": None, "redis_url": None}) for x in xs)
+        )
+        for x, out in zip(xs, outs, strict=True):
+            check(out, [x])
+        assert rt.stats()["active_calls"] == 0
