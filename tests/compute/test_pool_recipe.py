@@ -32,17 +32,7 @@ async def _reference(prompt: str) -> list[int]:
     "placement",
     [
         "inproc",
-        pytest.param(
-            "process",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.xfail(
-                    reason="issue 33: a worker's setup() cannot open a pool whose metadata the "
-                    "front hosts (it attaches only once the worker serves)",
-                    strict=True,
-                ),
-            ],
-        ),
+        pytest.param("process", marks=pytest.mark.slow),
     ],
 )
 async def test_contract_engine_recipe_starts_in_setup(placement: str) -> None:
