@@ -69,6 +69,7 @@ from omniflow.runtime._replica import ReplicaState
 from omniflow.transport._auth import resolve_key
 from omniflow.transport._fastpath import fast_path_enabled, front_spin, is_local
 from omniflow.transport._protocol import (
+    CallEnded,
     Cancel,
     Claim,
     Claimed,
@@ -105,6 +106,10 @@ _yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 _monotonic = time.monotonic
 
 logger = logging.getLogger("omniflow.remote")
+
+#: Seconds the end of a call waits at most for its workers' ``CallEnded`` (their pool pages
+#: released); a worker that neither answers nor is found lost by then is logged and let be.
+END_CALL_TIMEOUT = 10.0
 
 #: How the runtime shell is told about a remote activation's progress.
 OnFrame = Callable[["Call", "CallCore", "Activation", Any], None]
@@ -167,6 +172,20 @@ class _Pending:
 
     def cancel(self) -> None:
         self.remote._cancel(self.key)
+
+
+class _Ending:
+    """A finished call whose workers have not all said ``CallEnded`` yet."""
+
+    __slots__ = ("done", "reps", "timer")
+
+    def __init__(self, reps: set[Replica], done: asyncio.Future[None]) -> None:
+        #: The replicas still releasing what the call left there (alive when asked).
+        self.reps = reps
+        #: Resolved (never failed) when ``reps`` is empty, lost ones counted as released.
+        self.done = done
+        #: Gives up after ``END_CALL_TIMEOUT``.
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class RemoteRoles:
@@ -279,8 +298,11 @@ class RemoteRoles:
         #: (session, role) -> runs waiting for the registry to settle the session's pin.
         self._pinning: dict[tuple[str, str], list[tuple[Key, Any]]] = {}
         self._call_replicas: dict[str, set[Replica]] = {}
-        #: Send ``end_call`` to every replica a call ran on (Params Pools release there).
+        #: Send ``end_call`` to every replica a call ran on (Params Pools release there), and
+        #: wait for each one's ``CallEnded`` before the call's end is visible (``_ending``).
         self.track_calls = False
+        #: call id -> its end_call's answers still awaited.
+        self._ending: dict[str, _Ending] = {}
 
     @property
     def heartbeat_interval(self) -> float:
@@ -312,6 +334,8 @@ class RemoteRoles:
             if rep.pool_nodes:  # its pools are gone with it
                 nodes, rep.pool_nodes = rep.pool_nodes, set()
                 await self._forget_pools(nodes)
+        for c in list(self._ending):  # (the workers are gone, with their pages)
+            self._ended(c)
         for task in list(self._meta_tasks):
             with contextlib.suppress(BaseException):
                 await task
@@ -573,8 +597,10 @@ class RemoteRoles:
                     rep.out.put_nowait(encode_msg(Release(owned)))
                     break
 
-    def end_call(self, call_id: str) -> None:
-        """Let the workers drop what a finished call left: params and data-plane blocks."""
+    def end_call(self, call_id: str) -> asyncio.Future[None] | None:
+        """Let the workers drop what a finished call left: params, data-plane blocks and,
+        with ``track_calls``, pool pages; then a future resolved once each worker asked has
+        released them (or was lost, or ``END_CALL_TIMEOUT`` passed), else None."""
         # Forwarded runs of the call still unaccounted for: nothing can bind them any more.
         waiting = self._early.pop(call_id, None)
         if waiting is not None:
@@ -583,11 +609,51 @@ class RemoteRoles:
         self._orphans.pop(call_id, None)  # (what they send later is dropped all the same)
         self._cut.pop(call_id, None)
         reps = self._call_replicas.pop(call_id, None)
-        if reps:
-            frames = encode_msg(EndCall(call_id))
-            for rep in reps:
-                if rep.alive:
-                    rep.out.put_nowait(frames)
+        if not reps:
+            return None
+        ack = self.track_calls
+        frames = encode_msg(EndCall(call_id, ack))
+        asked = set()
+        for rep in reps:
+            if rep.alive:
+                rep.out.put_nowait(frames)
+                asked.add(rep)
+        if not (ack and asked):
+            return None
+        loop = asyncio.get_running_loop()
+        ending = self._ending[call_id] = _Ending(asked, loop.create_future())
+        ending.timer = loop.call_later(END_CALL_TIMEOUT, self._end_overdue, call_id)
+        return ending.done
+
+    def _call_ended(self, rep: Replica, c: str) -> None:
+        """``rep`` released what call ``c`` left there."""
+        ending = self._ending.get(c)
+        if ending is None:
+            return  # (after the timeout, or after the front closed)
+        if rep not in ending.reps:
+            self.fleet.dropped(rep, "foreign", OmniflowError(f"an end of call {c!r:.40}, not its"))
+            return
+        ending.reps.discard(rep)
+        if not ending.reps:
+            self._ended(c)
+
+    def _ended(self, c: str) -> None:
+        ending = self._ending.pop(c)
+        if ending.timer is not None:
+            ending.timer.cancel()
+        if not ending.done.done():
+            ending.done.set_result(None)
+
+    def _end_overdue(self, c: str) -> None:
+        ending = self._ending.get(c)
+        if ending is None:
+            return
+        logger.warning(
+            "call %s: replica(s) %s did not confirm its end within %s s; its end is visible "
+            "before they released its pool pages",
+            c, sorted(r.replica_id for r in ending.reps), END_CALL_TIMEOUT,
+        )  # fmt: skip
+        self._ended(c)
 
     def close_session(self, session: str) -> None:
         frames = encode_msg(CloseSession(session))
@@ -652,6 +718,8 @@ class RemoteRoles:
                 self._replica_frame(rep, c, a, f, x)
         elif type(msg) is Claimed:
             self._on_claimed(rep, msg)
+        elif type(msg) is CallEnded:
+            self._call_ended(rep, msg.c)
         elif type(msg) is StatsReply:
             fut = self._stats_waiting.pop(msg.r, None)
             if fut is not None and not fut.done():
@@ -978,6 +1046,8 @@ class RemoteRoles:
             task = asyncio.get_running_loop().create_task(self._forget_pools(nodes))
             self._meta_tasks.add(task)
             task.add_done_callback(self._meta_tasks.discard)
+        for c in [c for c, e in self._ending.items() if rep in e.reps]:  # (its pages are gone)
+            self._call_ended(rep, c)
         for c in list(self._early):  # what it sent before binding goes with it
             waiting = self._early[c]
             waiting.drop_replica(rep)

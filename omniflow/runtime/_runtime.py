@@ -1034,7 +1034,10 @@ class Runtime:
         if self._pools:
             self._release_pools(call)
         if self.remote is not None:
-            self.remote.end_call(call.call_id)
+            ended = self.remote.end_call(call.call_id)
+            if ended is not None:  # (the workers' releases of its pool pages: waited for too)
+                releasing = call._releasing
+                call._releasing = ended if releasing is None else asyncio.gather(releasing, ended)
         if self.plane is not None:
             self.plane.cleanup(call.call_id)
         if core is not None:

@@ -64,6 +64,7 @@ from omniflow.transport._protocol import (
     MAX_BATCH,
     Batch,
     Bye,
+    CallEnded,
     Cancel,
     Claim,
     Claimed,
@@ -612,14 +613,21 @@ class Worker:
                     self._hosted.attach(lambda r, op, args: self._send(peer, MetaCall(r, op, args)))
                 if self._leaving:
                     self._send(peer, Bye())
-            case EndCall(c=c):
+            case EndCall(c=c, ack=ack):
+                held = []
                 if self._owns(peer, c):
                     del self._call_owner[c]
                     self._call_params.pop(c, None)
                     self.plane.cleanup(c)
-                    for pool in self._pools.values():  # pages the call pinned here
-                        if pool.holds(c):
-                            self._release_pool(pool, c)
+                    held = [p for p in self._pools.values() if p.holds(c)]  # pages pinned here
+                if held:
+                    task = asyncio.get_running_loop().create_task(
+                        self._release_pools(peer, c, held, ack)
+                    )
+                    self._pool_releases.add(task)
+                    task.add_done_callback(self._pool_releases.discard)
+                elif ack:
+                    self._send(peer, CallEnded(c))
             case Release(refs=refs):
                 for ref in refs:
                     if type(ref) is not DataRef:
@@ -755,10 +763,22 @@ class Worker:
             except Exception as exc:  # one that fails stops none of the others (``_handle_one``)
                 self._dropped("malformed", exc)
 
-    def _release_pool(self, pool: Any, call_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(pool.release(call_id))
-        self._pool_releases.add(task)
-        task.add_done_callback(self._pool_releases.discard)
+    async def _release_pools(
+        self, peer: bytes | None, call_id: str, pools: list[Any], ack: bool
+    ) -> None:
+        """Unpin ``call_id``'s pages in ``pools`` (a failure is logged, the others go on);
+        then, if ``peer`` asked, say so: its caller sees the end of the call only after."""
+        try:
+            for pool in pools:
+                try:
+                    await pool.release(call_id)
+                except Exception:
+                    logger.exception(
+                        "releasing call %s's pages in pool %r failed", call_id, pool.name
+                    )
+        finally:
+            if ack:
+                self._send(peer, CallEnded(call_id))
 
     def _owns(self, peer: bytes | None, call_id: str) -> bool:
         """Whether ``peer`` made the call-scoped state of ``call_id`` here; a message about a

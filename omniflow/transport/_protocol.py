@@ -6,7 +6,8 @@
             off, th, conn, fw)                 Frames (c, a, fs, xs)       (several, in order)
     Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
                                                Dones  (cs, as_, fs, xs)    (good ends, together)
-    Release (refs)   EndCall (c)               Heartbeat ()                (every interval)
+    Release (refs)   EndCall (c, ack)          Heartbeat ()                (every interval)
+                                               CallEnded (c)  (EndCall's ack: released)
     SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work)
     StatsRequest (r)   CloseSession (s)
     Stop ()                                    Bye ()  (leaving; repeated while it drains)
@@ -46,6 +47,9 @@ cancellation, and the formatted traceback ``tb``. ``Dones`` is the good ends (no
 worker had for one front at once, as flat lists of the same length: record ``i`` is
 ``Done(cs[i], as_[i], fs[i], x=xs[i])``. It is decoded in one go; the front checks each
 record's types and drops a bad one alone.
+An ``EndCall`` with ``ack`` True is answered by ``CallEnded(c)`` once what the call left in the
+worker is released, its Params Pool pages included (the front's end of a call waits for it
+when the runtime has pools).
 A ``Claim`` asks a worker which of the forwarded runs ``ws`` (wire ids) of call ``c`` it holds,
 after their forwarder was lost: the ``Claimed`` answer lists those ``missing`` (neither
 running nor pulling their inputs there), and each of them, should its forward still come,
@@ -72,6 +76,7 @@ __all__ = [
     "MESSAGES",
     "Batch",
     "Bye",
+    "CallEnded",
     "Cancel",
     "Claim",
     "Claimed",
@@ -261,6 +266,14 @@ class Release(NamedTuple):
 
 class EndCall(NamedTuple):
     c: str
+    #: Answer with ``CallEnded(c)`` once the call's pages here are released.
+    ack: bool = False
+
+
+class CallEnded(NamedTuple):
+    """What call ``c`` left in the worker is released (the answer to ``EndCall(c, ack=True)``)."""
+
+    c: str
 
 
 class SourceLost(NamedTuple):
@@ -379,7 +392,8 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     Claim: ("claim", ((int,), (str,), (list,))),
     Claimed: ("claimed", ((int,), (str,), (list,))),
     Release: ("release", ((list,),)),
-    EndCall: ("end_call", ((str,),)),
+    EndCall: ("end_call", ((str,), (bool,))),
+    CallEnded: ("call_ended", ((str,),)),
     SourceLost: ("source_lost", ((str,), (int,))),
     StatsRequest: ("stats", ((int,),)),
     StatsReply: ("stats_reply", ((int,), (str,), (int,), (dict,), (dict,), (dict, _N))),
@@ -398,7 +412,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
 
 Message = (
     Batch | Hello | Ready | Run | Forward | Forwards | Cancel | Frame | Frames | Done | Dones
-    | Claim | Claimed | Release | EndCall | SourceLost | StatsRequest | StatsReply
+    | Claim | Claimed | Release | EndCall | CallEnded | SourceLost | StatsRequest | StatsReply
     | CloseSession | Stop | Bye | Heartbeat | Pull | Pulled | PullFailed | MetaCall | MetaReply
     | MetaNotify
 )  # fmt: skip

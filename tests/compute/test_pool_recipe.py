@@ -10,8 +10,17 @@ import pytest
 
 import omniflow as of
 from omniflow.compute import GenerateRequest, SamplingParams, TorchEngine
+from tests.runtime.conftest import ray_local  # noqa: F401  (the "ray" placement's Ray)
 
 from . import pool_graphs as pg
+
+
+def _placement(placement: str, request: pytest.FixtureRequest) -> Any:
+    """The Runtime's ``placement=`` for a test parameter ("ray": of.Ray() on a local Ray)."""
+    if placement != "ray":
+        return placement
+    request.getfixturevalue("ray_local")
+    return of.Ray()
 
 
 async def _reference(prompt: str) -> list[int]:
@@ -30,24 +39,13 @@ async def _reference(prompt: str) -> list[int]:
 
 @pytest.mark.parametrize(
     "placement",
-    [
-        "inproc",
-        pytest.param(
-            "process",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.xfail(
-                    reason="issue 33: a worker's setup() cannot open a pool whose metadata the "
-                    "front hosts (it attaches only once the worker serves)",
-                    strict=True,
-                ),
-            ],
-        ),
-    ],
+    ["inproc", "process", "ray"],  # (conftest marks "process" and "ray" slow)
 )
-async def test_contract_engine_recipe_starts_in_setup(placement: str) -> None:
+async def test_contract_engine_recipe_starts_in_setup(
+    placement: str, request: pytest.FixtureRequest
+) -> None:
     want = await _reference("hello world")
-    async with of.Runtime(pg.llm, placement=placement) as rt:
+    async with of.Runtime(pg.llm, placement=_placement(placement, request)) as rt:
         for session in ("s1", "s1", "s2"):  # turn 2 of s1 reuses its cached prefix
             out = await rt.run("llm", {"prompt": "hello world"}, session=session)
             assert out["token"] == want
@@ -107,23 +105,12 @@ async def test_engine_with_a_name_outside_any_role_says_where_to_start_it() -> N
 
 @pytest.mark.parametrize(
     "placement",
-    [
-        "inproc",
-        pytest.param(
-            "process",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.xfail(
-                    reason="issue 33: the worker releases on end_call in a task the front does "
-                    "not wait for; the next call can still see the pages pinned",
-                    strict=True,
-                ),
-            ],
-        ),
-    ],
+    ["inproc", "process", "ray"],
 )
-async def test_call_owned_pages_are_released_by_the_end(placement: str) -> None:
-    async with of.Runtime(pg.owned, placement=placement) as rt:
+async def test_call_owned_pages_are_released_by_the_end(
+    placement: str, request: pytest.FixtureRequest
+) -> None:
+    async with of.Runtime(pg.owned, placement=_placement(placement, request)) as rt:
         local = placement == "inproc"
 
         async def pinned() -> int:

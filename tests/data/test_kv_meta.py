@@ -336,6 +336,40 @@ async def test_a_hosted_client_fails_fast_without_a_front_and_when_it_goes() -> 
     assert client.pending == 0
 
 
+async def test_a_register_before_the_front_attaches_is_sent_first_when_it_does() -> None:
+    # A worker's setup() opens its pools before the front says hello (docs/contract.md §8).
+    client = HostedMetadata(timeout=10)
+    assert await client.register(P, "n1", {"host": "h"}, ttl_ms=3000) is None
+    assert await client.heartbeat(P, "n1", 3000)  # the lease starts at the attach
+    with pytest.raises(DataError, match="hosted by the front"):
+        await client.heartbeat(P, "n2", 3000)  # (a node that never registered)
+    with pytest.raises(DataError, match="hosted by the front"):
+        await client.match(P, "s", ["a"])
+    front = MemoryMetadata()
+    sent: list[tuple[int, str, list[Any]]] = []
+    client.attach(lambda r, op, args: sent.append((r, op, args)))
+    assert [(op, args) for _r, op, args in sent] == [("register", [P, "n1", {"host": "h"}, 3000])]
+    r, op, args = sent[0]
+    client.reply(r, await serve(front, op, args), None)
+    assert client.pending == 0
+    assert "n1" in await front.nodes(P, ["n1"])
+    client.detach("the front went away")
+    with pytest.raises(DataError, match="hosted by the front"):  # attached once: none kept
+        await client.register(P, "n3", {"host": "h"})
+
+
+async def test_a_deferred_register_the_front_refuses_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = HostedMetadata(timeout=10)
+    await client.register(P, "n1", {"host": "h"})
+    client.attach(lambda r, op, args: client.reply(r, None, "boom"))
+    assert client.pending == 0
+    await asyncio.sleep(0)  # (a future's callbacks run in the next loop turn)
+    assert "registering with the front's metadata failed" in caplog.text
+    assert "boom" in caplog.text
+
+
 async def test_a_hosted_client_times_out_instead_of_hanging() -> None:
     client = HostedMetadata(timeout=0.01)
     client.attach(lambda r, op, args: None)  # a front that never answers

@@ -15,12 +15,18 @@ truth::
 
 ``serve`` checks the operation and every argument's exact type before it touches the
 metadata; a malformed call is answered with an error and changes nothing.
+
+A worker sets its roles up before it serves, so before its front says hello: a pool opened in
+``setup()`` (an engine started there, docs/contract.md §8) allocates its tiers at once and its
+``register`` waits, to be the first call sent when the front attaches. Until then nothing can
+reach the worker's pages, so nothing needs to know of them; any other call fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +34,8 @@ from omniflow._exceptions import DataError
 from omniflow.data.kv._meta import MemoryMetadata, Metadata, Notify
 
 __all__ = ["OPS", "HostedMetadata", "serve"]
+
+logger = logging.getLogger("omniflow.kv")
 
 #: Seconds a worker waits for the front's answer before the call fails (never hangs).
 DEFAULT_TIMEOUT = 30.0
@@ -102,8 +110,10 @@ class HostedMetadata(Metadata):
     """A worker's client of the front's metadata (the same behaviour as ``MemoryMetadata``).
 
     ``attach(send)`` is called when the front that spawned the worker says hello; ``send``
-    puts one ``(request id, op, args)`` on the wire to it. ``reply`` resolves a request. Calls
-    made before a front is attached, or after it is gone, raise ``DataError`` at once.
+    puts one ``(request id, op, args)`` on the wire to it. ``reply`` resolves a request.
+    Before the first attach a ``register`` is kept and sent first at the attach (a lease's
+    ``heartbeat`` meanwhile holds: its clock starts there); every other call made before a
+    front is attached, or after it is gone, raises ``DataError`` at once.
     """
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -113,6 +123,8 @@ class HostedMetadata(Metadata):
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._listeners: dict[str, Notify] = {}
+        #: Registers made before the first attach (sent first then); None once attached.
+        self._deferred: list[list[Any]] | None = []
 
     @property
     def attached(self) -> bool:
@@ -120,6 +132,25 @@ class HostedMetadata(Metadata):
 
     def attach(self, send: Callable[[int, str, list[Any]], None]) -> None:
         self._send = send
+        deferred, self._deferred = self._deferred, None
+        for args in deferred or ():
+            # Ahead of anything sent later on this connection, and the front serves its
+            # calls in order: the node is known before any other call of its pool.
+            r = next(self._ids)
+            loop = asyncio.get_running_loop()
+            fut = self._waiting[r] = loop.create_future()
+            fut.add_done_callback(_log_deferred(args[0]))
+            loop.call_later(self.timeout, self._expire, r, "register", args[0])
+            self.round_trips += 1
+            send(r, "register", args)
+
+    def _expire(self, r: int, op: str, pool: str) -> None:
+        """Request ``r``, which nobody awaits, was not answered in time: it fails."""
+        fut = self._waiting.pop(r, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                DataError(f"pool '{pool}': the front did not answer '{op}' within {self.timeout} s")
+            )
 
     def detach(self, why: str) -> None:
         """The front is gone: fail every call waiting for it."""
@@ -162,10 +193,15 @@ class HostedMetadata(Metadata):
 
     async def _call(self, op: str, *args: Any) -> Any:
         if self._send is None:
+            if self._deferred is not None and op == "register":
+                self._deferred.append(list(args))  # (sent first at the attach)
+                return None
+            if op == "heartbeat" and any(a[:2] == list(args[:2]) for a in self._deferred or ()):
+                return True  # (the lease starts when the deferred register is served)
             raise DataError(
                 f"pool '{args[0]}': its metadata is hosted by the front, which this worker "
-                "reaches only once it serves (not in setup(), not after the front left); give "
-                "the pool metadata='redis://...' to use it there"
+                "reaches only once it serves (in setup() a pool opens, nothing more; not after "
+                "the front left); give the pool metadata='redis://...' to use it there"
             )
         r = next(self._ids)
         fut = self._waiting[r] = asyncio.get_running_loop().create_future()
@@ -238,3 +274,15 @@ class HostedMetadata(Metadata):
     async def dump(self, pool: str) -> dict[str, object]:
         out: dict[str, object] = await self._call("dump", pool)
         return out
+
+
+def _log_deferred(pool: str) -> Callable[[asyncio.Future[Any]], None]:
+    """A done callback: a deferred ``register`` the front refused (or never answered) is
+    logged, since nobody awaits it."""
+
+    def done(fut: asyncio.Future[Any]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            logger.warning("pool '%s': registering with the front's metadata failed: %s", pool, exc)
+
+    return done
