@@ -16,6 +16,7 @@ from omniflow._exceptions import (
     DataTimeoutError,
     GraphError,
     InputError,
+    MediaError,
     NodeError,
     OmniflowError,
     PoolExhaustedError,
@@ -24,6 +25,7 @@ from omniflow._exceptions import (
     TransportError,
 )
 from omniflow._loader import load_graphs, parse
+from omniflow._media import Audio, Image
 from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALL",
     "ActivationContext",
+    "Audio",
     "Call",
     "DataError",
     "DataTimeoutError",
@@ -62,9 +65,11 @@ __all__ = [
     "GlobalParametersRef",
     "Graph",
     "GraphError",
+    "Image",
     "InputError",
     "KvPoolBarrier",
     "Match",
+    "MediaError",
     "ModelLoadError",
     "NodeError",
     "OmniflowError",

@@ -20,6 +20,9 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "omniflow"
 #: Importable by every layer; they import nothing of omniflow themselves.
 BASE = frozenset({"_exceptions", "_types"})
 
+#: Value types every layer may hold, carry or build (of.Audio, of.Image); they import only BASE.
+VALUES = frozenset({"_media"})
+
 #: Every layer below serve: what serve, the package root and the test helpers may import.
 BELOW_SERVE = frozenset(
     {"dsl", "plan", "_loader", "runtime", "transport", "registry", "data", "data.kv", "compute"}
@@ -29,6 +32,7 @@ BELOW_SERVE = frozenset(
 LAYERS: dict[str, frozenset[str]] = {
     "_exceptions": frozenset(),
     "_types": frozenset(),
+    "_media": frozenset(),
     "transport": frozenset(),  # codec, wire, auth: no knowledge of what it carries
     "registry": frozenset(),  # replica records and load balancing, stores behind a URL
     "data": frozenset({"transport"}),  # buffer pool and data plane; handles ride the wire
@@ -132,7 +136,7 @@ def check_layering(package_dir: Path) -> list[Violation]:
                 )
             )
             continue
-        allowed = LAYERS[layer] | BASE | {layer}
+        allowed = LAYERS[layer] | BASE | VALUES | {layer}
         if layer in BASE:
             allowed = {layer}
         for line, target in _imports(path, module, path.name == "__init__.py"):
