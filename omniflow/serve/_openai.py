@@ -24,12 +24,13 @@ the whole audio in the format: ``wav`` at the graph's rate, ``pcm16`` raw 16-bit
 ``delta.audio = {"id", "data", "transcript"}`` (``data`` that frame's audio as base64 16-bit
 24 kHz PCM; with ``wav`` the first chunk's data starts with a streamed-WAV header, so the chunks
 concatenated are one WAV; ``transcript`` the text deltas sent since the previous audio chunk),
-in production order with the text chunks, and text produced after the last audio ends the
-stream as one more ``delta.audio`` with empty ``data``. Resampling to 24 kHz is ``_pcm``'s linear
-interpolation, which gives the same samples streamed or not. Formats: ``wav`` and ``pcm16``; any
-other is a 400 naming these. ``session``
-in the body (``extra_body={"session": "s1"}``) or the ``X-Omniflow-Session`` header runs the
-call in that session (turns of one conversation then reuse their cached prefix).
+in production order with the text chunks; the last audio chunk is ``{"id", "expires_at"}`` (as
+OpenAI's), with a ``transcript`` when text followed the last audio frame. Resampling to
+24 kHz is ``_pcm``'s linear interpolation, which gives the same samples streamed or not.
+Formats: ``wav`` and ``pcm16``; any other is a 400 naming these.
+
+``session`` in the body (``extra_body={"session": "s1"}``) or the ``X-Omniflow-Session`` header
+runs the call in that session (turns of one conversation then reuse their cached prefix).
 
 ``"stream": true`` answers ``text/event-stream``: a first chunk with the assistant role, one
 ``chat.completion.chunk`` per text frame, a last chunk with the ``finish_reason``, then, as
@@ -407,9 +408,11 @@ class ChatStreamResponse(CallResponse):
         status, errors = call_status(call, self.extra_errors)
         if status == "ok":
             tail = b""
-            if want_audio and unspoken and pcm.rates:
-                rest = "".join(unspoken)
-                tail = delta({"audio": {"id": audio_id, "data": "", "transcript": rest}})
+            if want_audio and pcm.rates:  # OpenAI's last audio update: its expiry
+                last = {"id": audio_id, "expires_at": int(time.time()) + 3600}
+                if unspoken:
+                    last["transcript"] = "".join(unspoken)
+                tail = delta({"audio": last})
             tail += delta({}, tally.finish_reason())
             if self.include_usage:
                 tail += event([], usage=tally.usage(n))
