@@ -108,6 +108,10 @@ _COMPUTE = frozenset(__all__) - frozenset(globals())
 
 
 def __getattr__(name: str) -> object:
+    if name == "roles":  # of.roles.Asr / Ocr / Tts: their model packages load in setup()
+        import omniflow.roles
+
+        return omniflow.roles
     if name in _COMPUTE:
         from omniflow import compute
 

@@ -25,7 +25,18 @@ VALUES = frozenset({"_media"})
 
 #: Every layer below serve: what serve, the package root and the test helpers may import.
 BELOW_SERVE = frozenset(
-    {"dsl", "plan", "_loader", "runtime", "transport", "registry", "data", "data.kv", "compute"}
+    {
+        "dsl",
+        "plan",
+        "_loader",
+        "runtime",
+        "transport",
+        "registry",
+        "data",
+        "data.kv",
+        "compute",
+        "roles",
+    }
 )
 
 #: layer -> the layers it may import (itself and BASE always).
@@ -43,6 +54,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "_loader": frozenset({"dsl", "plan"}),  # graph files and modules -> Graphs -> plans
     "runtime": frozenset({"dsl", "plan", "_loader", "transport", "registry", "data", "data.kv"}),
     "compute": frozenset({"dsl", "data", "data.kv"}),  # model code inside roles
+    "roles": frozenset({"dsl"}),  # roles on pretrained models (ASR, OCR, TTS)
     "serve": BELOW_SERVE,
     # The package root re-exports the public API: everything but serve, cli and testing.
     "omniflow": BELOW_SERVE,

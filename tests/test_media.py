@@ -190,3 +190,19 @@ def test_import_omniflow_imports_neither_numpy_nor_pillow() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+def test_a_streamed_wav_is_read_to_its_end() -> None:
+    wav = bytearray(of.Audio(_tone()).to_wav())
+    for size in (0xFFFFFFFF, 0x7FFFF000, 0):  # what espeak-ng --stdout and ffmpeg write
+        wav[40:44] = size.to_bytes(4, "little")
+        assert of.Audio.from_bytes(bytes(wav)) == of.Audio(_tone())
+
+
+def test_downsampling_filters_what_the_new_rate_cannot_hold() -> None:
+    t = np.arange(22050) / 22050
+    high = of.Audio((np.sin(2 * np.pi * 10000 * t) * 10000).astype(np.int16), 22050)
+    low = of.Audio((np.sin(2 * np.pi * 1000 * t) * 10000).astype(np.int16), 22050)
+    # 10 kHz is above 16 kHz's Nyquist rate: removed, not folded back to 6 kHz
+    assert np.abs(high.resample(16000).samples[100:-100]).max() < 1000
+    assert np.abs(low.resample(16000).samples[100:-100]).max() > 9000
