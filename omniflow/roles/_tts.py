@@ -43,10 +43,13 @@ _ESPEAK_VOICE = re.compile(r"[a-z]{2,3}(-[a-z0-9]+)*(\+[a-z0-9]+)?")
 class Tts(Role):
     """Two nodes, one model:
 
-    ``speak``: ``sentence`` (+ latched ``voice``, ``modalities``) -> ``audio``, one ``of.Audio``
+    ``speak``: ``sentence`` (+ latched ``voice``, ``modalities``) -> ``speech``, one ``of.Audio``
     per sentence; nothing unless ``"audio"`` is in ``modalities`` (OpenAI's default is text).
-    ``say``: ``input`` (+ ``voice``, ``speed``, ``instructions``) -> ``audio``, one frame per
+    ``say``: ``input`` (+ ``voice``, ``speed``, ``instructions``) -> ``speech``, one frame per
     sentence of the text as each is synthesized (the speech endpoint streams them).
+
+    The output is ``speech``, not ``audio``: fields match by name, and ``audio`` is the
+    transcription endpoint's input in a graph that serves both.
     """
 
     def __init__(self, voice: str = "alloy", words_per_minute: int = 150) -> None:
@@ -89,7 +92,7 @@ class Tts(Role):
 
     @interface(
         inputs_or=[["sentence", "voice", "modalities"]],
-        outputs=["audio"],
+        outputs=["speech"],
         latch=["voice", "modalities"],
     )
     async def speak(
@@ -97,9 +100,9 @@ class Tts(Role):
     ) -> dict[str, Any] | None:
         if not modalities or "audio" not in modalities:
             return None
-        return {"audio": await self.synthesize(sentence, voice)}
+        return {"speech": await self.synthesize(sentence, voice)}
 
-    @interface(inputs_or=[["input", "voice", "speed", "instructions"]], outputs=["audio"])
+    @interface(inputs_or=[["input", "voice", "speed", "instructions"]], outputs=["speech"])
     async def say(
         self,
         input: str | None,
@@ -114,4 +117,4 @@ class Tts(Role):
         self.espeak_voice(voice)  # an unknown voice fails before any audio
         split = Sentences()
         for sentence in [*split.feed(input), *split.flush()]:
-            yield {"audio": await self.synthesize(sentence, voice, speed)}
+            yield {"speech": await self.synthesize(sentence, voice, speed)}

@@ -48,8 +48,8 @@ async def test_tts_speaks_sentences_as_audio_frames() -> None:
     tts = of.roles.Tts()
     await tts.setup()
     frames = [f async for f in tts.say("Hello there. How are you?", "alloy", None, None)]
-    assert len(frames) == 2 and all(isinstance(f["audio"], of.Audio) for f in frames)
-    assert frames[0]["audio"].sample_rate == 22050
+    assert len(frames) == 2 and all(isinstance(f["speech"], of.Audio) for f in frames)
+    assert frames[0]["speech"].sample_rate == 22050
     assert await tts.speak("hi", None, ["text"]) is None  # no audio asked for
     with pytest.raises(of.InputError, match="unknown voice") as info:
         await tts.synthesize("hi", "no such voice!")
