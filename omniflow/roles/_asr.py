@@ -24,9 +24,9 @@ RATE = 16000
 class Asr(Role):
     """``transcribe``: ``audio`` (an ``of.Audio``, any rate; None: nothing) -> ``text``.
 
-    Input audio is resampled to 16 kHz mono (low-passed, then interpolated) before decoding. ``language`` and
-    ``prompt`` (the transcriptions endpoint's optional fields) are accepted; only ``en``/None
-    is served (the one model the wheel carries).
+    Input audio is resampled to 16 kHz mono (low-passed, then interpolated) before decoding.
+    ``language`` and ``prompt`` (the transcriptions endpoint's optional fields) are accepted;
+    only ``en``/None is served (the one model the wheel carries).
     """
 
     def __init__(self) -> None:
