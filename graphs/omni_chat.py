@@ -11,7 +11,7 @@
                    TorchEngine request (its cached prefix is matched in the ParamsPool), every
                    frame is fed to it and prefilled at once, so segment k is prefilled while the
                    encoder works on segment k+1; the last frame closes the input and streams.
-    tts.speak      sentence -> audio (a WAV file per sentence, written by espeak-ng)
+    tts.speak      sentence -> audio (an ``of.Audio`` per sentence, spoken by espeak-ng)
 
 The model directory comes from ``$OMNIFLOW_MODEL`` (any Llama/Qwen2/Mistral instruct checkpoint
 in Hugging Face format: config.json, *.safetensors, tokenizer.json with a chat template). Without
@@ -48,8 +48,6 @@ import asyncio
 import base64
 import binascii
 import os
-import re
-import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -57,8 +55,6 @@ from typing import Any
 
 import omniflow as of
 
-#: Sentence ends: the TTS speaks each sentence as soon as it is complete.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 #: The sampling Placeholders (OpenAI request fields) and their "not set" value.
 SAMPLING_DEFAULTS: dict[str, Any] = dict.fromkeys(
     ("max_tokens", "temperature", "top_p", "seed", "stop")
@@ -288,18 +284,15 @@ class Llm(of.Role):
                 return
             del self._open[key]
             outputs = self.engine.outputs(rid)
-        pending, final = "", None
+        split, final = of.roles.Sentences(), None
         async for out in outputs:
             final = out
             if out.text:
                 yield {"text": out.text}
-                pending += out.text
-                *done, pending = _SENTENCE_END.split(pending)
-                for sentence in done:
-                    if sentence.strip():
-                        yield {"sentence": sentence.strip()}
-        if pending.strip():
-            yield {"sentence": pending.strip()}
+                for sentence in split.feed(out.text):
+                    yield {"sentence": sentence}
+        for sentence in split.flush():
+            yield {"sentence": sentence}
         if final is not None:
             yield {
                 "usage": {
@@ -312,33 +305,17 @@ class Llm(of.Role):
 
 
 class Tts(of.Role):
-    """espeak-ng speaks each sentence into a WAV file (one audio frame per sentence)."""
+    """espeak-ng speaks each sentence (one ``of.Audio`` frame per sentence, as it completes)."""
 
-    def __init__(self, out_dir: str | None = None) -> None:
-        self.out_dir = out_dir
-        self.n = 0
+    def __init__(self) -> None:
+        self.tts = of.roles.Tts()
 
     async def setup(self) -> None:
-        if shutil.which("espeak-ng") is None:
-            raise RuntimeError("tts: espeak-ng is not installed (apt-get install espeak-ng)")
-        root = self.out_dir or os.environ.get("OMNIFLOW_AUDIO_DIR") or tempfile.mkdtemp()
-        self.dir = Path(root)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        await self.tts.setup()
 
     @of.interface(inputs_or=[["sentence"]], outputs=["audio"])
     async def speak(self, sentence: str) -> dict[str, Any]:
-        self.n += 1
-        path = self.dir / f"speech-{os.getpid()}-{self.n}.wav"
-        # the text goes through stdin, never argv: any bytes are safe to speak
-        proc = await asyncio.create_subprocess_exec(
-            "espeak-ng", "--stdin", "-w", str(path),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await proc.communicate(sentence.encode("utf-8", "replace"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"tts: espeak-ng failed ({proc.returncode}): {err.decode()[:200]}")
-        return {"audio": str(path)}
+        return {"audio": await self.tts.synthesize(sentence)}
 
 
 graph = of.Graph(

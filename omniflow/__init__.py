@@ -16,6 +16,7 @@ from omniflow._exceptions import (
     DataTimeoutError,
     GraphError,
     InputError,
+    MediaError,
     NodeError,
     OmniflowError,
     PoolExhaustedError,
@@ -24,6 +25,7 @@ from omniflow._exceptions import (
     TransportError,
 )
 from omniflow._loader import load_graphs, parse
+from omniflow._media import Audio, Image
 from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALL",
     "ActivationContext",
+    "Audio",
     "Call",
     "DataError",
     "DataTimeoutError",
@@ -62,9 +65,11 @@ __all__ = [
     "GlobalParametersRef",
     "Graph",
     "GraphError",
+    "Image",
     "InputError",
     "KvPoolBarrier",
     "Match",
+    "MediaError",
     "ModelLoadError",
     "NodeError",
     "OmniflowError",
@@ -103,6 +108,10 @@ _COMPUTE = frozenset(__all__) - frozenset(globals())
 
 
 def __getattr__(name: str) -> object:
+    if name == "roles":  # of.roles.Asr / Ocr / Tts: their model packages load in setup()
+        import omniflow.roles
+
+        return omniflow.roles
     if name in _COMPUTE:
         from omniflow import compute
 

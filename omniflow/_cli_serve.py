@@ -221,6 +221,14 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
         help="close a connection idle for S between requests (default: 5)",
     )
     g.add_argument(
+        "--ws-idle-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="close a realtime WebSocket with no client event for S while no response runs "
+        "(default: 60)",
+    )
+    g.add_argument(
         "--max-connections",
         type=_positive_int,
         default=1024,
@@ -310,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
             idle_timeout=args.idle_timeout,
+            ws_idle_timeout=args.ws_idle_timeout,
             max_connections=args.max_connections,
         ),
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),

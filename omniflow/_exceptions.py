@@ -3,6 +3,7 @@
     OmniflowError
     ├── GraphError          a graph declaration or plan is invalid (raised before serving)
     ├── InputError          a call names an unknown graph or misses a Placeholder (ValueError)
+    │   └── MediaError          an of.Audio / of.Image value or its bytes are malformed
     ├── NodeError           a node failed, was cancelled, or broke a runtime rule during a call
     ├── RuntimeClosedError  a Runtime (or pool, server) was used outside its lifetime
     ├── TransportError      a message could not be encoded, sent or received
@@ -28,6 +29,7 @@ __all__ = [
     "GraphError",
     "InputError",
     "InvalidBlockError",
+    "MediaError",
     "NodeError",
     "OmniflowError",
     "PoolExhaustedError",
@@ -82,6 +84,18 @@ class InputError(OmniflowError, ValueError):
         super().__init__(message)
         self.graph = graph
         self.field = field
+
+
+class MediaError(InputError):
+    """An ``of.Audio`` or ``of.Image`` was given samples, pixels or bytes it cannot hold.
+
+    ``field`` names the part (``"samples"``, ``"pixels"``, ``"audio"``, ``"image"``, or the
+    request part the server decoded), so a server answers 400 naming it.
+
+    >>> err = MediaError("of.Image: pixels must be uint8, got float32", field="pixels")
+    >>> err.field
+    'pixels'
+    """
 
 
 class NodeError(OmniflowError):

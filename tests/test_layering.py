@@ -20,15 +20,30 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "omniflow"
 #: Importable by every layer; they import nothing of omniflow themselves.
 BASE = frozenset({"_exceptions", "_types"})
 
+#: Value types every layer may hold, carry or build (of.Audio, of.Image); they import only BASE.
+VALUES = frozenset({"_media"})
+
 #: Every layer below serve: what serve, the package root and the test helpers may import.
 BELOW_SERVE = frozenset(
-    {"dsl", "plan", "_loader", "runtime", "transport", "registry", "data", "data.kv", "compute"}
+    {
+        "dsl",
+        "plan",
+        "_loader",
+        "runtime",
+        "transport",
+        "registry",
+        "data",
+        "data.kv",
+        "compute",
+        "roles",
+    }
 )
 
 #: layer -> the layers it may import (itself and BASE always).
 LAYERS: dict[str, frozenset[str]] = {
     "_exceptions": frozenset(),
     "_types": frozenset(),
+    "_media": frozenset(),
     "transport": frozenset(),  # codec, wire, auth: no knowledge of what it carries
     "registry": frozenset(),  # replica records and load balancing, stores behind a URL
     "data": frozenset({"transport"}),  # buffer pool and data plane; handles ride the wire
@@ -39,6 +54,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "_loader": frozenset({"dsl", "plan"}),  # graph files and modules -> Graphs -> plans
     "runtime": frozenset({"dsl", "plan", "_loader", "transport", "registry", "data", "data.kv"}),
     "compute": frozenset({"dsl", "data", "data.kv"}),  # model code inside roles
+    "roles": frozenset({"dsl"}),  # roles on pretrained models (ASR, OCR, TTS)
     "serve": BELOW_SERVE,
     # The package root re-exports the public API: everything but serve, cli and testing.
     "omniflow": BELOW_SERVE,
@@ -132,7 +148,7 @@ def check_layering(package_dir: Path) -> list[Violation]:
                 )
             )
             continue
-        allowed = LAYERS[layer] | BASE | {layer}
+        allowed = LAYERS[layer] | BASE | VALUES | {layer}
         if layer in BASE:
             allowed = {layer}
         for line, target in _imports(path, module, path.name == "__init__.py"):

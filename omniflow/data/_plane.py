@@ -14,6 +14,11 @@ works). References: every consumer edge that receives a ref holds it (counted by
 call core); when the last holder finishes, the owner releases the block; when the call ends,
 the owner drops whatever the call still holds (``cleanup``), so nothing of a finished call stays
 in any pool, whether it ended ok, with an error, or cancelled.
+
+Media values (``of.Audio``, ``of.Image``) always take the data plane, whatever their size
+(contract §9: never inside a control message): their array goes into the block, the ref says
+what it was (``DataRef.media``), and every connector hands the consumer the same kind of value
+back (inproc: the producer's own object).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
+from omniflow._media import Audio, Image
 from omniflow.data._attach import PoolAttachment
 from omniflow.data._handle import BlockHandle
 from omniflow.data._pool import SharedBufferPool
@@ -149,6 +155,11 @@ class ShmConnector(Connector):
         self, from_node: str, to_node: str, request_id: str, payload_key: str, value: Any
     ) -> DataRef:
         pool = self.pool
+        media: tuple[Any, ...] = ()
+        if type(value) is Audio:
+            media, value = ("audio", value.sample_rate), value.samples
+        elif type(value) is Image:
+            media, value = ("image",), value.pixels
         if isinstance(value, bytes | bytearray | memoryview):
             view = memoryview(value).cast("B")
             handle = pool.alloc(view.nbytes, owner=request_id)
@@ -158,9 +169,13 @@ class ShmConnector(Connector):
         else:
             handle = pool.put_array(value, owner=request_id)
         return DataRef(handle, self.host or HOST, os.getpid(), self.source,
-                       (from_node, request_id, to_node, payload_key))  # fmt: skip
+                       (from_node, request_id, to_node, payload_key), media)  # fmt: skip
 
     def read(self, ref: DataRef, *, copy: bool) -> Any:
+        value = self._read(ref, copy=copy)
+        return as_media(ref, value) if ref.media else value
+
+    def _read(self, ref: DataRef, *, copy: bool) -> Any:
         h = ref.handle
         if self._pool is not None and h.pool == self._pool.name:
             io: Any = self._pool
@@ -274,13 +289,24 @@ class ZmqConnector(Connector):
                 f"pulling {ref.key} ({ref.nbytes:,} bytes) from {ref.source} took longer than "
                 f"{timeout} s"
             ) from None
-        return decode_block(ref.handle, data)
+        value = decode_block(ref.handle, data)
+        return as_media(ref, value) if ref.media else value
 
     def cleanup(self, request_id: str) -> int:
         return self._shm.cleanup(request_id)
 
     def health(self) -> dict[str, Any]:
         return {"ok": True}
+
+
+def as_media(ref: DataRef, array: Any) -> Any:
+    """The media value a block's array was the payload of (``ref.media``)."""
+    match ref.media:
+        case ("audio", int(rate)):
+            return Audio(array, sample_rate=rate)
+        case ("image",):
+            return Image(array)
+    raise DataError(f"{ref.key}: unknown media tag {ref.media!r}")
 
 
 def decode_block(handle: BlockHandle, data: bytes | memoryview) -> Any:
@@ -319,11 +345,16 @@ class DataPlane:
         self.counts = dict.fromkeys(_COUNTS, 0)
 
     def is_big(self, value: Any, threshold: int | None = None) -> bool:
-        """An ndarray, torch tensor or bytes of at least ``threshold`` bytes (and at least 1)."""
+        """An ndarray, torch tensor or bytes of at least ``threshold`` bytes (and at least 1),
+        or a non-empty media value (``of.Audio``, ``of.Image``: any size)."""
         limit = max(1, self.threshold if threshold is None else threshold)
         t = type(value)
         if t is bytes or t is bytearray:
             return len(value) >= limit
+        if t is Audio:
+            return len(value) > 0
+        if t is Image:
+            return True  # never empty
         mod = t.__module__
         if mod != "numpy" and not mod.startswith("torch"):
             return False  # (the common case, small plain values: decided without a lookup)

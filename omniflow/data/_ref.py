@@ -30,6 +30,9 @@ class DataRef:
     #: (from node, call id, field, payload key): the RFC's key, minus the consumer (one block
     #: serves every consumer edge; each edge holds a reference).
     key: tuple[str, str, str, str]
+    #: What the block's array is the payload of: ``()`` (the array itself), ``("audio",
+    #: sample_rate)`` for an ``of.Audio``'s samples, ``("image",)`` for an ``of.Image``'s pixels.
+    media: tuple[Any, ...] = ()
 
     @property
     def nbytes(self) -> int:

@@ -14,10 +14,15 @@
                                        "roles": [roles without a live replica]}
     DELETE /v1/sessions/{id}         close a session (its GlobalParameters): 204
     GET  /metrics                    Prometheus text format 0.0.4
-    GET  /v1/models                  OpenAI: the graphs that opted in to chat (see _openai)
-    POST /v1/chat/completions        OpenAI: chat completion, streaming or not
+    GET  /v1/models                  OpenAI: each graph with the endpoints its shape serves
+    POST /v1/chat/completions        OpenAI: chat completion, streaming or not, text and audio
+    POST /v1/audio/speech            OpenAI: text to speech, streamed (_speech)
+    POST /v1/audio/transcriptions    OpenAI: speech to text, multipart (_media_routes)
+    POST /v1/images/generations      OpenAI: prompt to PNGs (_media_routes)
+    WS   /v1/realtime?model=NAME     OpenAI Realtime events, one session per connection
+                                       (_realtime)
 
-Errors are JSON ``{"error": message}`` (OpenAI's shape on the two OpenAI routes): 400 a body
+Errors are JSON ``{"error": message}`` (OpenAI's shape on the OpenAI routes): 400 a body
 that is not a JSON object of ``inputs`` / ``session`` / ``stream`` / ``timeout`` (or holds NaN or
 an infinity), 401 no or wrong API key, 403 a Host or Origin not served (``_guard``), 404 an
 unknown graph or route, 408 a body slower than ``body_timeout``, 413 a body over
@@ -52,7 +57,7 @@ from omniflow._exceptions import InputError, OmniflowError
 from omniflow._loader import load_graphs
 from omniflow.dsl import Graph
 from omniflow.runtime import Runtime
-from omniflow.serve import _openai
+from omniflow.serve import _media_routes, _openai, _realtime, _speech
 from omniflow.serve._codec import ValueDecodingError, loads
 from omniflow.serve._guard import Guard
 from omniflow.serve._limits import LOOPBACK_HOSTS, Limits, bad_session
@@ -290,6 +295,9 @@ def create_app(
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *_openai.routes,
+            *_speech.routes,
+            *_media_routes.routes,
+            *_realtime.routes,
         ],
         middleware=[Middleware(Guard, state=state)],
         exception_handlers={404: _not_found, 405: _not_found},

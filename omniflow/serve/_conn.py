@@ -26,6 +26,10 @@ one gets a 503 and is closed. Idle clients therefore never lock out a new one (`
 stays reachable with any number of idle connections open), and only running requests count
 against the cap.
 
+A WebSocket upgrade hands the socket to uvicorn's WebSocket protocol: the connection then
+counts against the cap as a running request until the WebSocket closes (never evicted, no idle
+or header timer: the realtime route has its own idle timeout, ``--ws-idle-timeout``).
+
 A streaming response's body chunks have a short way out: each request's scope carries the
 extension ``WRITE_BODY`` (``scope["extensions"]["omniflow.write_body"]``), a synchronous
 ``write(chunk) -> bool`` that frames the chunk as HTTP/1.1 chunked encoding, exactly the bytes
@@ -153,6 +157,17 @@ class _Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._in_headers = False
         self._counted = False
+        base = self.ws_protocol_class
+        if base is not None:
+            self.ws_protocol_class = _tracked_ws(base, self)
+
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        # From now on the connection is a running WebSocket: no timer, never evicted; it is
+        # uncounted when the WebSocket protocol loses the connection (``_tracked_ws``).
+        self._in_headers = False
+        self._disarm()
+        self.tracker.waiting.pop(self, None)
+        super().handle_websocket_upgrade(event)
 
     # -------------------------------------------------------------- timers
 
@@ -267,6 +282,24 @@ class _Protocol(H11Protocol):
         self._disarm()
         self._uncount()
         super().connection_lost(exc)
+
+
+def _tracked_ws(base: type[asyncio.Protocol], owner: _Protocol) -> Any:
+    """A factory of ``base`` WebSocket protocols that uncount ``owner`` when they close."""
+
+    def make(**kwargs: Any) -> asyncio.Protocol:
+        protocol = base(**kwargs)
+        lost = protocol.connection_lost
+
+        def connection_lost(exc: Exception | None) -> None:
+            owner._lingering.cancel_timer()
+            owner._uncount()
+            lost(exc)
+
+        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
+        return protocol
+
+    return make
 
 
 def protocol_class(limits: Limits) -> tuple[type[asyncio.Protocol], ConnectionTracker]:

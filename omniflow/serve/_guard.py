@@ -9,6 +9,11 @@ Checks, in this order, before any route runs (and before any body byte is read):
 2. no or wrong API key -> 401 (every route but ``/healthz`` and ``/readyz``);
 3. ``Content-Length`` above ``max_body_bytes`` -> 413, unparsable -> 400.
 
+A WebSocket upgrade (``/v1/realtime``) gets checks 1 and 2 (an ``Origin`` check matters most
+there: browsers send WebSocket upgrades cross-site without asking); refused, it is answered
+with the same HTTP error instead of the handshake (ASGI's WebSocket denial response; a server
+without it gets close code 1008 before the handshake, which clients see as a 403).
+
 Then the route runs with a ``receive`` that counts body bytes and watches the clock: a chunked
 body passing ``max_body_bytes`` ends the request with 413 at once, a body not complete
 ``body_timeout`` seconds after the request arrived ends it with 408. Both answers carry
@@ -42,7 +47,7 @@ BODY_SEND = "omniflow.body_send"
 
 #: Paths answered without an API key, whatever the Host or Origin.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-_OPENAI_PREFIXES = ("/v1/chat/", "/v1/models")
+_OPENAI_PREFIXES = ("/v1/chat/", "/v1/models", "/v1/audio/", "/v1/images/", "/v1/realtime")
 _CLOSE = {"connection": "close"}
 
 
@@ -117,6 +122,9 @@ class Guard:
     # ---------------------------------------------------------------- ASGI
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -151,7 +159,27 @@ class Guard:
         if not started:  # the client left before any response (nginx's 499)
             counts[499] = counts.get(499, 0) + 1
 
-    def _refusal(self, scope: Scope) -> JSONResponse | None:
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._access_refusal(scope)
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        counts = self.state.http.requests
+        counts[refusal.status_code] = counts.get(refusal.status_code, 0) + 1
+        if "websocket.http.response" in (scope.get("extensions") or {}):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": refusal.status_code,
+                    "headers": refusal.raw_headers,
+                }
+            )
+            await send({"type": "websocket.http.response.body", "body": refusal.body})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+    def _access_refusal(self, scope: Scope) -> JSONResponse | None:
+        """The 403 / 401 for a request whose Host, Origin or API key is refused, or None."""
         why = self._forbidden(scope)
         if why is not None:
             return self._error(scope, 403, why)
@@ -160,6 +188,12 @@ class Guard:
                 "missing or wrong API key; send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
             )
             return self._error(scope, 401, msg, {"www-authenticate": "Bearer"}, "invalid_api_key")
+        return None
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        refused = self._access_refusal(scope)
+        if refused is not None:
+            return refused
         length = self._content_length(scope)
         limit = self.state.limits.max_body_bytes
         if length is not None and length < 0:

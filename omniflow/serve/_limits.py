@@ -21,7 +21,12 @@ Which limit is enforced where:
                                     (before the first one, and between keep-alive requests)
     max_connections     1024        connection: at the cap a new connection evicts the oldest
                                     one that has no request running; when every connection
-                                    runs a request, the new one gets 503 and is closed
+                                    runs a request, the new one gets 503 and is closed (an
+                                    open WebSocket counts as a running request)
+    ws_idle_timeout     60 s        app (``_realtime``): a WebSocket closed (1000) after this
+                                    long with no client event while no response runs
+    (WebSocket message) 16 MiB      ``max_body_bytes`` caps one message too: a larger one
+                                    closes that connection (1009), no other
     ==================  ==========  ===========================================================
 
 Session ids are at most ``MAX_SESSION_BYTES`` (400 beyond), so that every session can be
@@ -71,6 +76,7 @@ class Limits:
     header_timeout: float = 10.0
     idle_timeout: float = 5.0
     max_connections: int = 1024
+    ws_idle_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,7 +85,7 @@ class Limits:
         """Raise OmniflowError naming the first limit that makes no sense."""
         if self.max_body_bytes < 0:
             raise OmniflowError(f"max_body_bytes must be >= 0, got {self.max_body_bytes}")
-        for name in ("body_timeout", "header_timeout", "idle_timeout"):
+        for name in ("body_timeout", "header_timeout", "idle_timeout", "ws_idle_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise OmniflowError(f"{name} must be a number of seconds > 0, got {value!r}")

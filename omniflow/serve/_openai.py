@@ -4,15 +4,33 @@
 >>> client.chat.completions.create(model="chat", messages=[...])               # doctest: +SKIP
 
 A graph opts in by its shape: a Placeholder named ``messages`` (it receives the request's
-OpenAI messages list as is) and an output field ``text`` (each frame's value is a text delta;
-other output fields are not sent). The request's ``model`` names the graph. Any other
-Placeholder of the graph is filled from the request field of the same name (``temperature``,
-``max_tokens``, or anything passed with the client's ``extra_body``). A Placeholder named after
-one of OpenAI's optional request fields (``OPTIONAL_FIELDS``: ``max_tokens``, ``temperature``,
-``top_p``, ``seed``, ``stop``...) gets None when the request leaves the field out, as OpenAI
-reads an absent field as null; ``max_completion_tokens`` fills ``max_tokens`` too. ``session``
-in the body (``extra_body={"session": "s1"}``) or the ``X-Omniflow-Session`` header runs the
-call in that session (turns of one conversation then reuse their cached prefix).
+OpenAI messages list, media parts decoded, see below) and an output field ``text`` (each frame's
+value is a text delta). The request's ``model`` names the graph. Any other Placeholder of the
+graph is filled from the request field of the same name (``temperature``, ``max_tokens``, or
+anything passed with the client's ``extra_body``). A Placeholder named after one of OpenAI's
+optional request fields (``OPTIONAL_FIELDS``: ``max_tokens``, ``temperature``, ``top_p``,
+``seed``, ``stop``...) or one of ``_endpoints.KNOWN_INPUTS`` gets None when the request leaves
+the field out, as OpenAI reads an absent field as null; ``max_completion_tokens`` fills
+``max_tokens`` too.
+
+Media (docs/contract.md §9). Message parts ``image_url`` (a ``data:`` URL) and ``input_audio``
+(base64 WAV) reach the graph as ``of.Image`` / ``of.Audio`` in place of the part's payload
+(``_media_in``); bad bytes or a remote URL are a 400 naming the part. With ``modalities:
+["text", "audio"]`` and ``audio: {"voice", "format"}`` (Placeholders ``modalities``, ``voice``,
+``audio_format`` receive them), every frame whose value is an ``of.Audio`` is audio out: without
+streaming, ``choices[0].message.audio = {"id", "data", "expires_at", "transcript"}`` (``data``
+the whole audio in the format: ``wav`` at the graph's rate, ``pcm16`` raw 16-bit 24 kHz mono;
+``transcript`` the message text); streaming, each audio frame is one chunk whose
+``delta.audio = {"id", "data", "transcript"}`` (``data`` that frame's audio as base64 16-bit
+24 kHz PCM; with ``wav`` the first chunk's data starts with a streamed-WAV header, so the chunks
+concatenated are one WAV; ``transcript`` the text deltas sent since the previous audio chunk),
+in production order with the text chunks; the last audio chunk is ``{"id", "expires_at"}`` (as
+OpenAI's), with a ``transcript`` when text followed the last audio frame. Resampling to
+24 kHz is ``_pcm``'s linear interpolation, which gives the same samples streamed or not.
+Formats: ``wav`` and ``pcm16``; any other is a 400 naming these.
+
+``session`` in the body (``extra_body={"session": "s1"}``) or the ``X-Omniflow-Session`` header
+runs the call in that session (turns of one conversation then reuse their cached prefix).
 
 ``"stream": true`` answers ``text/event-stream``: a first chunk with the assistant role, one
 ``chat.completion.chunk`` per text frame, a last chunk with the ``finish_reason``, then, as
@@ -44,10 +62,12 @@ raises its usual exceptions (NotFoundError, BadRequestError, RateLimitError...).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -55,10 +75,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from omniflow._exceptions import InputError, NodeError
+from omniflow._media import Audio
 from omniflow.runtime import Call, Runtime
 from omniflow.serve._chat_request import OPENAI_FIELDS, check_chat_request
 from omniflow.serve._codec import ValueDecodingError, dumps, loads
+from omniflow.serve._endpoints import Endpoint, endpoints_of, graph_inputs, served
 from omniflow.serve._limits import bad_session
+from omniflow.serve._media_in import BadMedia, decode_messages
+from omniflow.serve._pcm import PCM16_RATE, Resampler, pcm16_of, wav_header
 from omniflow.serve._stream import CallResponse, call_status
 
 if TYPE_CHECKING:
@@ -66,7 +90,18 @@ if TYPE_CHECKING:
 
     from omniflow.serve._state import ServeState
 
-__all__ = ["OPTIONAL_FIELDS", "chat_graphs", "openai_error", "routes"]
+__all__ = [
+    "AUDIO_FORMATS",
+    "OPTIONAL_FIELDS",
+    "AudioAnswer",
+    "PcmStream",
+    "admitted",
+    "call_failure",
+    "chat_graphs",
+    "openai_error",
+    "routes",
+    "send_json",
+]
 
 #: Request fields that belong to the OpenAI protocol and are never graph inputs.
 _PROTOCOL_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "session"})
@@ -74,11 +109,13 @@ _PROTOCOL_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "
 OPTIONAL_FIELDS = OPENAI_FIELDS - _PROTOCOL_FIELDS
 #: The header that names the session when the body does not.
 SESSION_HEADER = "x-omniflow-session"
+#: Chat audio formats this server encodes.
+AUDIO_FORMATS = ("wav", "pcm16")
 
 
 def chat_graphs(rt: Runtime) -> list[str]:
     """Names of the graphs that opted in (a ``messages`` Placeholder and a ``text`` output)."""
-    return [n for n, p in rt.plans.items() if "messages" in p.inputs and "text" in p.outputs]
+    return served(rt.plans, Endpoint.CHAT)
 
 
 def openai_error(
@@ -100,17 +137,32 @@ def _state(request: Request) -> ServeState:
 
 
 async def list_models(request: Request) -> Response:
+    """Every graph that serves at least one endpoint, with ``endpoints``: the ones it serves
+    (``chat.completions``, ``audio.speech``, ``audio.transcriptions``, ``images.generations``,
+    ``realtime``)."""
     created = int(time.time())
-    data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "omniflow"}
-        for name in chat_graphs(_state(request).runtime)
-    ]
+    data = []
+    for name, plan in _state(request).runtime.plans.items():
+        endpoints = endpoints_of(plan.inputs, plan.outputs)
+        if endpoints:
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "omniflow",
+                    "endpoints": endpoints,
+                }
+            )
     return JSONResponse({"object": "list", "data": data})
 
 
-async def chat_completions(request: Request) -> Response | CallResponse:
+async def admitted(
+    request: Request, start: Callable[[Request, ServeState], Awaitable[Response | CallResponse]]
+) -> Response | CallResponse:
+    """Run ``start`` under admission: a slot is taken before the body is read (a refused
+    client costs no body bytes) and given back unless ``start`` returns a running call."""
     state = _state(request)
-    # Admission before the body is read: a refused client costs no body bytes.
     refused = state.admit()
     if refused is not None:
         status, reason, message = refused
@@ -123,11 +175,49 @@ async def chat_completions(request: Request) -> Response | CallResponse:
         )
     response: Response | CallResponse | None = None
     try:
-        response = await _start_chat(request, state)
+        response = await start(request, state)
     finally:
         if not isinstance(response, CallResponse):
             state.release()
     return response
+
+
+async def chat_completions(request: Request) -> Response | CallResponse:
+    return await admitted(request, _start_chat)
+
+
+@dataclass(frozen=True, slots=True)
+class AudioAnswer:
+    """Audio requested in a chat answer (``modalities`` has "audio")."""
+
+    #: ``wav`` or ``pcm16``.
+    format: str
+
+
+def _audio_request(body: dict[str, Any]) -> AudioAnswer | JSONResponse | None:
+    """The chat request's audio output, None when it asks for none, or its 400."""
+    if "audio" not in (body.get("modalities") or ()):
+        return None
+    audio = body.get("audio")
+    if audio is None:
+        return openai_error(
+            400,
+            "Missing required parameter: 'audio'. It is required when 'modalities' includes "
+            "'audio': send audio={'voice': 'alloy', 'format': 'wav'}.",
+            param="audio",
+            code="missing_required_parameter",
+        )
+    fmt = audio["format"]
+    if fmt not in AUDIO_FORMATS:
+        return openai_error(
+            400,
+            f"Unsupported value: 'audio.format' is '{fmt}'; this server encodes "
+            f"{' and '.join(repr(f) for f in AUDIO_FORMATS)} (no encoder for '{fmt}' is "
+            "installed).",
+            param="audio.format",
+            code="unsupported_value",
+        )
+    return AudioAnswer(fmt)
 
 
 async def _start_chat(request: Request, state: ServeState) -> Response | CallResponse:
@@ -147,16 +237,21 @@ async def _start_chat(request: Request, state: ServeState) -> Response | CallRes
     problem = bad_session(session)
     if problem is not None:
         return openai_error(400, problem, param="session")
-    inputs: dict[str, Any] = {"messages": body["messages"]}
+    audio = _audio_request(body)
+    if isinstance(audio, JSONResponse):
+        return audio
+    try:
+        messages = decode_messages(body["messages"])
+    except BadMedia as exc:
+        return openai_error(400, exc.message, param=exc.param, code="invalid_value")
     if body.get("max_tokens") is None and "max_completion_tokens" in body:
         body["max_tokens"] = body["max_completion_tokens"]
-    for name in models[model]:
-        if name in _PROTOCOL_FIELDS:
-            continue
-        if name in body:
-            inputs[name] = body[name]
-        elif name in OPTIONAL_FIELDS:
-            inputs[name] = None
+    # ``audio`` is OpenAI's output spec, never the graph's ``audio`` input (an of.Audio).
+    given = {k: v for k, v in body.items() if k not in _PROTOCOL_FIELDS and k != "audio"}
+    if isinstance(body.get("audio"), dict):
+        given.setdefault("voice", body["audio"].get("voice"))
+        given.setdefault("audio_format", body["audio"].get("format"))
+    inputs = {"messages": messages, **graph_inputs(models[model], given, skip=_PROTOCOL_FIELDS)}
     try:
         call = rt.call(model, inputs, session=session)
     except InputError as exc:
@@ -165,8 +260,8 @@ async def _start_chat(request: Request, state: ServeState) -> Response | CallRes
     options = body.get("stream_options") or {}
     include_usage = bool(options.get("include_usage"))
     if body.get("stream"):
-        return ChatStreamResponse(state, call, include_usage=include_usage)
-    return ChatResponse(state, call)
+        return ChatStreamResponse(state, call, include_usage=include_usage, audio=audio)
+    return ChatResponse(state, call, audio=audio)
 
 
 def _text(value: Any) -> str:
@@ -191,7 +286,7 @@ def _input_error(call: Call) -> NodeError | None:
     return None
 
 
-def _failure(call: Call, errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+def call_failure(call: Call, errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     """A failed call as an HTTP status and OpenAI error object: 400 when a node raised
     ``InputError`` (the request is wrong: retrying it cannot help), else 500."""
     refused = _input_error(call)
@@ -214,7 +309,7 @@ def _failure(call: Call, errors: list[dict[str, Any]]) -> tuple[int, dict[str, A
     return 500, {"error": error}
 
 
-async def _send_json(resp: CallResponse, send: Send, status: int, obj: dict[str, Any]) -> None:
+async def send_json(resp: CallResponse, send: Send, status: int, obj: dict[str, Any]) -> None:
     body = dumps(obj)
     headers = [
         (b"content-type", b"application/json"),
@@ -235,9 +330,12 @@ class ChatStreamResponse(CallResponse):
     else a 500), so the client's ``create(stream=True)`` raises as OpenAI's does for a bad
     request, instead of a 200 whose stream holds an error."""
 
-    def __init__(self, state: ServeState, call: Call, *, include_usage: bool) -> None:
+    def __init__(
+        self, state: ServeState, call: Call, *, include_usage: bool, audio: AudioAnswer | None
+    ) -> None:
         super().__init__(state, call)
         self.include_usage = include_usage
+        self.audio = audio
 
     async def respond(self, send: Send) -> None:
         call, http = self.call, self.state.http
@@ -262,34 +360,60 @@ class ChatStreamResponse(CallResponse):
         ]
         n = 0
         tally = _Usage()
-        async with contextlib.aclosing(_text_frames(self, tally)) as texts:
-            first = await anext(texts, None)
+        audio_id = f"audio_{call.call_id}"
+        pcm = PcmStream(PCM16_RATE)
+        wav_started = False
+        unspoken: list[str] = []  # text sent since the last audio chunk
+
+        def chunk_of(item: str | Audio) -> bytes:
+            nonlocal wav_started
+            if isinstance(item, str):
+                unspoken.append(item)
+                return delta({"content": item})
+            data = pcm.feed(item)
+            if self.audio is not None and self.audio.format == "wav" and not wav_started:
+                wav_started = True
+                data = wav_header(PCM16_RATE) + data
+            said = "".join(unspoken)
+            unspoken.clear()
+            b64 = base64.b64encode(data).decode()
+            return delta({"audio": {"id": audio_id, "data": b64, "transcript": said}})
+
+        want_audio = self.audio is not None
+        async with contextlib.aclosing(_chat_frames(self, tally, want_audio)) as items:
+            first = await anext(items, None)
             if first is None:
                 status, errors = call_status(call, self.extra_errors)
                 if status != "ok":
                     if not self.disconnected:
-                        await _send_json(self, send, *_failure(call, errors))
+                        await send_json(self, send, *call_failure(call, errors))
                     return
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             opening = delta({"role": "assistant", "content": ""})
             http.bytes_out += len(opening)
             await self.send_chunk(opening)
             if first is not None:
-                chunk = delta({"content": first})
+                chunk = chunk_of(first)
                 await self.send_chunk(chunk)
-                n += 1
+                n += isinstance(first, str)
                 http.bytes_out += len(chunk)
-            async for frame in texts:
+            async for item in items:
                 if self.disconnected:
                     continue
-                chunk = delta({"content": frame})
+                chunk = chunk_of(item)
                 await self.send_chunk(chunk)
-                n += 1
+                n += isinstance(item, str)
                 http.bytes_out += len(chunk)
         http.frames_out[call.graph] = http.frames_out.get(call.graph, 0) + n
         status, errors = call_status(call, self.extra_errors)
         if status == "ok":
-            tail = delta({}, tally.finish_reason())
+            tail = b""
+            if want_audio and pcm.rates:  # OpenAI's last audio update: its expiry
+                last = {"id": audio_id, "expires_at": int(time.time()) + 3600}
+                if unspoken:
+                    last["transcript"] = "".join(unspoken)
+                tail = delta({"audio": last})
+            tail += delta({}, tally.finish_reason())
             if self.include_usage:
                 tail += event([], usage=tally.usage(n))
         else:
@@ -299,13 +423,23 @@ class ChatStreamResponse(CallResponse):
 
 
 class ChatResponse(CallResponse):
-    """One ``chat.completion`` object with the concatenated text."""
+    """One ``chat.completion`` object with the concatenated text (and audio, if asked)."""
+
+    def __init__(self, state: ServeState, call: Call, *, audio: AudioAnswer | None) -> None:
+        super().__init__(state, call)
+        self.audio = audio
 
     async def respond(self, send: Send) -> None:
         call = self.call
         tally = _Usage()
-        async with contextlib.aclosing(_text_frames(self, tally)) as texts:
-            parts = [t async for t in texts]
+        parts: list[str] = []
+        clips: list[Audio] = []
+        async with contextlib.aclosing(_chat_frames(self, tally, self.audio is not None)) as it:
+            async for item in it:
+                if isinstance(item, str):
+                    parts.append(item)
+                else:
+                    clips.append(item)
         if self.disconnected:
             return
         self.state.http.frames_out[call.graph] = self.state.http.frames_out.get(
@@ -313,24 +447,35 @@ class ChatResponse(CallResponse):
         ) + len(parts)
         status, errors = call_status(call, self.extra_errors)
         if status != "ok":
-            await _send_json(self, send, *_failure(call, errors))
+            await send_json(self, send, *call_failure(call, errors))
             return
+        created = int(time.time())
+        text = "".join(parts)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.audio is not None and clips:
+            data = whole_audio(clips, self.audio.format)
+            message["audio"] = {
+                "id": f"audio_{call.call_id}",
+                "data": base64.b64encode(data).decode(),
+                "expires_at": created + 3600,
+                "transcript": text,
+            }
         obj: dict[str, Any] = {
             "id": f"chatcmpl-{call.call_id}",
             "object": "chat.completion",
-            "created": int(time.time()),
+            "created": created,
             "model": call.graph,
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": tally.finish_reason(),
                 }
             ],
             "usage": tally.usage(len(parts)),
         }
-        await _send_json(self, send, 200, obj)
+        await send_json(self, send, 200, obj)
 
 
 class _Usage:
@@ -369,14 +514,58 @@ def _count(d: dict[str, Any], key: str) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
-async def _text_frames(resp: CallResponse, tally: _Usage) -> AsyncGenerator[str, None]:
-    """The text deltas of the call (its ``text`` frames); ``usage`` frames go to ``tally``."""
+class PcmStream:
+    """Audio frames -> raw 16-bit little-endian PCM at ``rate``, resampled by ``_pcm``'s
+    streaming resampler (one per run of frames at the same source rate), so the bytes of a
+    stream of frames are the bytes of the same frames at once."""
+
+    __slots__ = ("_resampler", "rate", "rates")
+
+    def __init__(self, rate: int) -> None:
+        #: The output rate (Hz).
+        self.rate = rate
+        #: Source rates seen, in order of first use.
+        self.rates: list[int] = []
+        self._resampler: Resampler | None = None
+
+    def feed(self, clip: Audio) -> bytes:
+        r = self._resampler
+        if r is None or r.src != clip.sample_rate:
+            r = self._resampler = Resampler(clip.sample_rate, self.rate)
+            if clip.sample_rate not in self.rates:
+                self.rates.append(clip.sample_rate)
+        return r.feed(clip.samples).astype("<i2", copy=False).tobytes()
+
+
+def whole_audio(clips: list[Audio], fmt: str) -> bytes:
+    """``clips`` as one ``wav`` (at their rate when they share one, else 24 kHz) or ``pcm16``
+    (24 kHz) file."""
+    import numpy as np
+
+    rates = {c.sample_rate for c in clips}
+    if fmt == "wav" and len(rates) == 1:
+        pcm = np.concatenate([pcm16_of(c.samples) for c in clips]).astype("<i2").tobytes()
+        return wav_header(rates.pop(), len(pcm)) + pcm
+    stream = PcmStream(PCM16_RATE)
+    pcm = b"".join(stream.feed(c) for c in clips)
+    return wav_header(PCM16_RATE, len(pcm)) + pcm if fmt == "wav" else pcm
+
+
+async def _chat_frames(
+    resp: CallResponse, tally: _Usage, want_audio: bool
+) -> AsyncGenerator[str | Audio, None]:
+    """The call's text deltas (its ``text`` frames) and, when ``want_audio``, its audio
+    (frames whose value is an ``of.Audio``), in order; ``usage`` frames go to ``tally``."""
     async with contextlib.aclosing(resp.raw_frames()) as frames:
         async for frame in frames:
-            if frame.field == "text":
-                yield _text(frame.value)
+            value = frame.value
+            if isinstance(value, Audio):
+                if want_audio:
+                    yield value
+            elif frame.field == "text":
+                yield _text(value)
             elif frame.field == "usage":
-                tally.see(frame.value)
+                tally.see(value)
 
 
 routes = [

@@ -174,7 +174,11 @@ def serve(
         log_config=None,  # configure() did it
         access_log=access_log,
         lifespan="on",
-        ws="none",
+        # WebSockets (/v1/realtime) on the websockets package's sans-I/O protocol; one message
+        # is capped like a request body (a larger one closes that connection, code 1009).
+        ws="websockets-sansio",
+        ws_max_size=limits.max_body_bytes,
+        ws_per_message_deflate=False,
         http=protocol,
         timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]  # a float works
         # After the drain only idle connections are left; do not wait long for stragglers.

@@ -26,6 +26,8 @@ A message is a list of frames::
                     message's MAC held); with ``pickle=True`` a value nested deeper than
                     MAX_DEPTH rides as one pickle too
     6     bigint    an int outside msgpack's 64-bit range: its two's-complement bytes
+    7     audio     ``[sample_rate, samples]`` of an ``of.Audio`` (samples: an ext 2)
+    8     image     ``[pixels]`` of an ``of.Image`` (pixels: an ext 2)
     ====  ========  ===================================================================
 
 Values of at least ``threshold`` bytes (64 KiB by default) travel as their own frame: ``encode``
@@ -36,9 +38,11 @@ returns for a large value is a view of the frame: numpy arrays come back read-on
 values as a read-only ``memoryview``, torch tensors share the frame's memory (``clone()`` before
 writing in place). Small values are copied into the header and come back as ordinary ``bytes``,
 arrays and tensors. Tuples come back as tuples, other sequences as lists; tensors come back on
-the CPU, detached. Anything else is refused unless the sender opts into ``pickle=True`` and the
-receiver into ``allow_pickle=True``: the runtime's own worker protocol does both, because every
-process of one deployment runs the same code (bind ``tcp://`` only on a private network).
+the CPU, detached. ``of.Audio`` and ``of.Image`` come back as themselves around their array
+(read-only like any big array unless ``owned``). Anything else is refused unless the sender
+opts into ``pickle=True`` and the receiver into ``allow_pickle=True``: the runtime's own
+worker protocol does both, because every process of one deployment runs the same code (bind
+``tcp://`` only on a private network).
 
 Decoding raises :class:`~omniflow.CodecError` and nothing else, whatever the input.
 numpy and torch are imported only when a message carries their values.
@@ -56,6 +60,7 @@ from typing import Any, NamedTuple, TypeAlias
 import msgpack  # type: ignore[import-untyped]
 
 from omniflow._exceptions import CodecError
+from omniflow._media import Audio, Image
 
 __all__ = [
     "MAGIC",
@@ -88,6 +93,8 @@ _EXT_TENSOR = 3
 _EXT_TUPLE = 4
 _EXT_PICKLE = 5
 _EXT_BIGINT = 6
+_EXT_AUDIO = 7
+_EXT_IMAGE = 8
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _KEY_TYPES = (str, int, float, bytes, type(None))
@@ -277,6 +284,15 @@ class _Packer:
             return items
         if isinstance(obj, _BYTES_LIKE):
             return self._bytes(obj)
+        if cls is Audio or cls is Image:
+            # Its array is always a frame of its own, whatever its size: media never ride
+            # inside the header of a control message (contract §9).
+            numpy = sys.modules["numpy"]  # an Audio or Image holds a numpy array
+            if cls is Audio:
+                fields = [obj.sample_rate, self._ndarray(obj.samples, numpy, oob=True)]
+                return msgpack.ExtType(_EXT_AUDIO, msgpack.packb(fields))
+            pixels = self._ndarray(obj.pixels, numpy, oob=True)
+            return msgpack.ExtType(_EXT_IMAGE, msgpack.packb([pixels]))
         if isinstance(obj, (str, int, float)):  # subclasses: IntEnum, StrEnum, np.float64
             if isinstance(obj, int) and not _INT_MIN <= obj <= _INT_MAX:
                 return self._pickled(obj) if self.pickle else _bigint(int(obj))
@@ -320,7 +336,7 @@ class _Packer:
         index = self._out_of_band(view)
         return msgpack.ExtType(_EXT_BUFFER, msgpack.packb([index, view.nbytes]))
 
-    def _ndarray(self, arr: Any, np: Any) -> Any:
+    def _ndarray(self, arr: Any, np: Any, oob: bool = False) -> Any:
         dtype = arr.dtype
         if dtype.hasobject or dtype.fields is not None:
             raise _Unsupported(f"numpy arrays of dtype {dtype} are not supported")
@@ -328,7 +344,7 @@ class _Packer:
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
         data: Any
-        if arr.nbytes < self.threshold:
+        if arr.nbytes < self.threshold and not oob:
             data = arr.tobytes()
         else:
             data = self._out_of_band(memoryview(arr.reshape(-1).view(np.uint8)))
@@ -459,11 +475,23 @@ class _ExtHook:
             import pickle as _pickle
 
             return _pickle.loads(payload)
+        if code in (_EXT_AUDIO, _EXT_IMAGE):
+            return self._media(code, payload)
         if code == _EXT_BIGINT:
             if not payload:
                 raise CodecError("malformed bigint: no bytes")
             return int.from_bytes(payload, "big", signed=True)
         raise CodecError(f"unknown ext type {code}")
+
+    def _media(self, code: int, payload: bytes) -> Any:
+        fields = msgpack.unpackb(payload, ext_hook=self, raw=False)
+        if code == _EXT_AUDIO:
+            if not (isinstance(fields, list) and len(fields) == 2 and type(fields[0]) is int):
+                raise CodecError("malformed audio: expected [sample_rate, samples]")
+            return Audio(fields[1], sample_rate=fields[0])  # a bad one: MediaError -> CodecError
+        if not (isinstance(fields, list) and len(fields) == 1):
+            raise CodecError("malformed image: expected [pixels]")
+        return Image(fields[0])
 
     def _frame(self, index: Any) -> memoryview:
         if type(index) is not int or not 1 <= index <= len(self.frames):

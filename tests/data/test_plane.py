@@ -325,3 +325,50 @@ def test_pool_capacity_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         DataPlane()
     monkeypatch.delenv(POOL_BYTES_ENV)
     assert DataPlane().capacity == 256 * 2**20
+
+
+# ---------------------------------------------------------------- media values (contract §9)
+
+
+async def test_media_values_take_the_data_plane_whatever_their_size(plane: DataPlane) -> None:
+    """An of.Audio or of.Image is offloaded even below the threshold; every connector hands
+    back the same kind of value (inproc: the object itself; shm and zmq: equal and writable)."""
+    clip = of.Audio(np.arange(8, dtype=np.int16), sample_rate=8000)  # 16 bytes < 1 KiB
+    pic = of.Image(np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3))
+    frame = {"clip": clip, "pic": pic, "small": np.arange(8)}
+    out = plane.offload("n.run", "c1", 1, 0, frame, ["clip", "pic", "small"])
+    assert out["small"] is frame["small"]  # a plain small array stays inline
+    cref, pref = out["clip"], out["pic"]
+    assert (cref.media, pref.media) == (("audio", 8000), ("image",))
+    assert plane.read_now(cref) is clip and plane.read_now(pref) is pic
+    for ref, value in ((cref, clip), (pref, pic)):
+        via_shm = plane.read_now(ref, "shm", copy=True)
+        assert type(via_shm) is type(value) and via_shm == value
+
+        async def pull(address: str, r: DataRef) -> memoryview:
+            return plane.serve_pull(r.handle)
+
+        consumer = DataPlane(pull=pull)
+        remote = elsewhere(ref, host="elsewhere.example", source="tcp://10.0.0.2:5555")
+        got = await consumer.get(remote, timeout=5)
+        array = got.samples if isinstance(got, of.Audio) else got.pixels
+        assert type(got) is type(value) and got == value and array.flags.writeable
+        consumer.close()
+    assert plane.statistics()["offloaded"] == 2
+    assert not plane.is_big(of.Audio(np.zeros(0, np.int16)))  # nothing to place
+    plane.cleanup("c1")
+
+
+def test_media_refs_survive_the_worker_protocol(plane: DataPlane) -> None:
+    clip = of.Audio(np.arange(8, dtype=np.float32) / 8, sample_rate=16000)
+    ref = plane.offload("n.run", "c1", 1, 0, {"a": clip}, ["a"])["a"]
+    msg = decode_msg(encode_msg(Frame("c1", 1, {"a": ref})))
+    assert isinstance(msg, Frame) and msg.f["a"] == ref and msg.f["a"].media == ("audio", 16000)
+    plane.cleanup("c1")
+
+
+def test_an_unknown_media_tag_is_a_data_error(plane: DataPlane) -> None:
+    ref = plane.offload("n.run", "c1", 1, 0, {"a": np.ones(KB)}, ["a"])["a"]
+    with pytest.raises(of.DataError, match="unknown media tag"):
+        plane.read_now(dataclasses.replace(ref, media=("video",)), "shm")
+    plane.cleanup("c1")

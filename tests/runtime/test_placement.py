@@ -605,3 +605,34 @@ async def test_values_are_equal_and_writable_in_every_placement(runtime: Factory
         [back] = out["back"]
         assert vg.report(back) == rep  # the caller's copy too
         assert back["n"] == n
+
+
+@pytest.mark.timeout(120)
+async def test_media_values_are_equal_and_writable_in_every_placement(
+    runtime: Factory, placement: str
+) -> None:
+    """of.Audio and of.Image (contract §9) reach a method equal, of the same type and writable,
+    produced by another method or given by the caller, and come back to the caller the same;
+    between processes they move on the data plane (each output its own block), whatever their
+    size, and a nested one rides the codec's media ext as an out-of-band array."""
+    from . import media_graphs as mg
+
+    rt = await runtime(mg.made, mg.given)
+    want = dict.fromkeys(("clip", "fclip", "pic", "nested"), (True, True))
+    out = await rt.run("media_made", {"n": 3})
+    assert out["report"] == [want]
+    assert mg.report(out["back"][0], 3) == want  # the caller's copy too
+    made = await rt.pool_stats()
+    given = mg.media(5)
+    out = await rt.run("media_given", {**given, "n": 5})
+    assert out["report"] == [want]
+    assert mg.report(out["back"][0], 5) == want
+    offloaded = {name: s["offloaded"] for name, s in (await rt.pool_stats()).items()}
+    if placement == "inproc":
+        assert set(offloaded.values()) <= {0}  # one process: the objects themselves
+    else:
+        # media_made: the source's three top-level media outputs, in the source's process;
+        # media_given: the caller's three, put in the front's pool for the probe's process.
+        assert sum(s["offloaded"] for n, s in made.items() if n != "<front>") == 3, made
+        assert offloaded["<front>"] == 3, offloaded
+    assert rt.stats() == ZERO

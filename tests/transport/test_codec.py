@@ -430,3 +430,38 @@ def test_an_encode_nested_in_another_packs_with_a_packer_of_its_own() -> None:
         assert _codec._PACKERS.packer is busy  # given back once done
     finally:
         _codec._PACKERS.packer = saved
+
+
+# ---------------------------------------------------------------- media values (ext 7, ext 8)
+
+
+def test_media_values_round_trip_with_their_array_out_of_band() -> None:
+    import omniflow as of
+
+    clip = of.Audio(np.arange(6, dtype=np.int16), sample_rate=8000)  # 12 bytes: still a frame
+    pic = of.Image(np.arange(2 * 2 * 3, dtype=np.uint8).reshape(2, 2, 3)[:, ::-1])  # strided
+    frames = encode({"clip": clip, "nested": [pic]})
+    assert len(frames) == 3  # header + one frame per media array, however small
+    assert clip.samples.tobytes() not in bytes(frames[0])
+    body = decode(frames)
+    assert type(body["clip"]) is of.Audio and body["clip"] == clip
+    assert type(body["nested"][0]) is of.Image and body["nested"][0] == pic
+    assert not body["clip"].samples.flags.writeable  # a view of the frame, like big arrays
+    owned = decode(frames, owned=True)
+    assert owned["clip"].samples.flags.writeable and owned["nested"][0].pixels.flags.writeable
+
+
+@pytest.mark.parametrize(
+    ("code", "fields", "match"),
+    [
+        (7, [8000], "malformed audio"),
+        (7, ["8000", b""], "malformed audio"),
+        (8, [], "malformed image"),
+        (8, [b"not an array"], "malformed message"),  # MediaError inside: still a CodecError
+    ],
+)
+def test_malformed_media_are_codec_errors(code: int, fields: list[Any], match: str) -> None:
+    body = msgpack.ExtType(code, msgpack.packb(fields))
+    header = MAGIC + bytes([VERSION]) + msgpack.packb(["msg", 0, body])
+    with pytest.raises(CodecError, match=match):
+        decode([header])
