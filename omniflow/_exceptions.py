@@ -7,12 +7,22 @@
     ├── NodeError           a node failed, was cancelled, or broke a runtime rule during a call
     ├── RuntimeClosedError  a Runtime (or pool, server) was used outside its lifetime
     ├── TransportError      a message could not be encoded, sent or received
-    │   └── CodecError          a message is malformed, truncated or of another wire version
+    │   ├── CodecError          a message is malformed, truncated or of another wire version
+    │   └── ProtocolError       a decoded message breaks the protocol (transport/_protocol.py)
     ├── RegistryError       the service registry is unreachable or inconsistent
-    └── DataError           the data plane could not place, find or deliver a buffer
-        ├── DataTimeoutError    a connector ``get`` passed its deadline
-        ├── PoolExhaustedError  a buffer pool cannot fit a block, even after evicting idle cache
-        └── InvalidBlockError   a handle or offset names no live block, or a release goes below 0
+    ├── DataError           the data plane could not place, find or deliver a buffer
+    │   ├── DataTimeoutError    a connector ``get`` passed its deadline
+    │   ├── PoolExhaustedError  a buffer pool cannot fit a block, even after evicting idle cache
+    │   └── InvalidBlockError   a handle or offset names no live block, or a release goes below 0
+    ├── EngineError         an engine cannot start or serve a request (compute/_errors.py)
+    │   ├── ModelLoadError      a checkpoint cannot be loaded as written (a tensor, a field)
+    │   ├── RequestError        a GenerateRequest the engine cannot honour
+    │   └── EngineProcessError  an engine's own process failed
+    ├── ForkServerError     the fork server refused or lost a worker (runtime/_forkserver.py)
+    ├── ReplicaStateError   a replica moved between states it cannot (runtime/_replica.py)
+    ├── ValueEncodingError  a value cannot be written as JSON for the HTTP edge (serve/_codec.py)
+    ├── ValueDecodingError  a JSON value of a request cannot be read back (serve/_codec.py)
+    └── _Unsendable         a worker's frame cannot be sent; it fails the activation (_worker)
 
 Every exception carries structured fields and survives pickling, so an error raised in a worker
 process reaches the caller intact.

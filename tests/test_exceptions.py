@@ -55,3 +55,31 @@ def test_node_error_dict_round_trip() -> None:
     again = of.NodeError.from_dict(err.to_dict())
     assert str(again) == "node 'vit.encode': boom"
     assert again.to_dict() == err.to_dict()
+
+
+def test_the_drawn_tree_shows_every_error_class_of_the_package() -> None:
+    """The module docstring of omniflow._exceptions draws every OmniflowError subclass that any
+    module of the package defines, under its parent."""
+    import importlib
+    import pkgutil
+
+    import omniflow
+    from omniflow import _exceptions
+
+    for info in pkgutil.walk_packages(omniflow.__path__, "omniflow."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    drawn: dict[str, int] = {}
+    for line in (_exceptions.__doc__ or "").splitlines():
+        stripped = line.lstrip(" │├└─")
+        name = stripped.split()[0] if stripped else ""
+        if name.isidentifier() and (name.endswith("Error") or name.startswith("_")):
+            drawn[name] = len(line) - len(stripped)
+
+    def walk(cls: type, depth: int) -> None:
+        assert cls.__name__ in drawn, f"{cls.__module__}.{cls.__name__} is not drawn"
+        for sub in cls.__subclasses__():
+            assert drawn.get(sub.__name__, -1) > drawn[cls.__name__], sub.__name__
+            walk(sub, depth + 1)
+
+    walk(_exceptions.OmniflowError, 0)
