@@ -15,16 +15,28 @@ import contextvars
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omniflow._exceptions import NodeError
 
 if TYPE_CHECKING:
     from omniflow.runtime._core import Activation, CallCore
     from omniflow.runtime._params import SessionParams
-    from omniflow.runtime._runtime import Runtime
 
 __all__ = ["Call", "Frame"]
+
+
+class Owner(Protocol):
+    """What a call needs of the runtime that runs it (``runtime._runtime.Runtime``)."""
+
+    #: GlobalParameters factories by name (a call without a session builds its own).
+    _factories: Any
+    #: The runtime's Params Pools by name, read-only (``of.context().pools``).
+    _pool_view: Any
+    #: Undelivered frames above which a stream producer waits for the reader.
+    stream_high_water: int
+
+    def _cancel_call(self, call: Call) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +58,7 @@ class Call:
 
     def __init__(
         self,
-        runtime: Runtime,
+        runtime: Owner,
         graph: str,
         call_id: str,
         inputs: dict[str, Any],

@@ -48,6 +48,7 @@ from omniflow.runtime._stimuli import (
     LEGAL,
     NOTHING,
     REJECTED,
+    Activation,
     ActState,
     Cancel,
     CancelKind,
@@ -67,55 +68,6 @@ from omniflow.runtime._stimuli import (
 __all__ = ["Activation", "CallCore", "Emit"]
 
 PENDING, RUNNING, DONE = ActState.PENDING, ActState.RUNNING, ActState.DONE
-
-
-class Activation:
-    """One run of one node's method with one set of inputs."""
-
-    __slots__ = (
-        "aid",
-        "group",
-        "kwargs",
-        "node",
-        "refs",
-        "seq",
-        "state",
-        "table",
-        "yidx",
-    )
-
-    def __init__(
-        self,
-        aid: int,
-        node: str,
-        group: int,
-        kwargs: dict[str, Any],
-        table: Table,
-        seq: Entry,
-        state: ActState = PENDING,
-    ) -> None:
-        #: Activation id, unique within the call.
-        self.aid = aid
-        #: Node name.
-        self.node = node
-        #: OR group that fired.
-        self.group = group
-        #: Keyword arguments for the method.
-        self.kwargs = kwargs
-        #: Entries the inputs descend from.
-        self.table = table
-        #: Nearest SeqId entry of the inputs (stream and index used for ordering).
-        self.seq = seq
-        #: PENDING, RUNNING or DONE (born PENDING, or RUNNING when admitted straight to
-        #: running; moved by ``CallCore._move`` only).
-        self.state = state
-        #: Frames produced so far (the next frame's yield index; counted for stamping nodes).
-        self.yidx = 0
-        #: Data-plane refs among its inputs (each held until the activation ends).
-        self.refs: list[DataRef] | None = None
-
-    def __repr__(self) -> str:
-        return f"<Activation {self.node}#{self.aid} g{self.group} seq={self.seq}>"
 
 
 class _SessionQueue:

@@ -181,14 +181,14 @@ async def drive(
                     frame = await step
                 else:
                     try:
-                        fut = step.send(None)  # type: ignore[attr-defined]
+                        fut = step.send(None)
                     except StopIteration as stop:
                         frame = stop.value
                     else:  # it suspends: what its frames made starts first
                         if held:
                             held = 0
                             flush()
-                        frame = await Continue(step, fut)  # type: ignore[arg-type]
+                        frame = await Continue(step, fut)
             except StopAsyncIteration:
                 break
             if not push(frame):

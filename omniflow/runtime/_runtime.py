@@ -50,6 +50,7 @@ from omniflow.runtime._params import SessionParams
 from omniflow.runtime._placement import plan_processes, resolve_connectors
 from omniflow.runtime._ray_plan import Ray
 from omniflow.runtime._remote import RemoteRoles
+from omniflow.runtime._setup import setup_role
 from omniflow.runtime._stimuli import (
     NOTHING,
     SETTLE,
@@ -1080,23 +1081,6 @@ async def _release(pools: list[Any], call_id: str) -> None:
             await pool.release(call_id)
         except Exception:
             logger.exception("releasing call %s's pages in pool %r failed", call_id, pool.name)
-
-
-async def setup_role(name: str, setup: Any) -> None:
-    """Await a role's ``setup()``; a failure says which role (both placements use this).
-
-    The role's ``pools`` are reachable while it runs (``omniflow.dsl._context.role_pools``), so
-    an engine built with ``pool="name"`` and started here finds the graph's pool."""
-    from omniflow.dsl._context import _setup_pools
-
-    pools = getattr(getattr(setup, "__self__", None), "pools", None)
-    token = _setup_pools.set(pools if pools is not None else MappingProxyType({}))
-    try:
-        await setup()
-    except Exception as exc:
-        raise OmniflowError(f"role '{name}' setup() failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        _setup_pools.reset(token)
 
 
 def _read_refs(plane: DataPlane, value: Any) -> Any:

@@ -21,15 +21,17 @@ import enum
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from omniflow.runtime._liveness import Entry, Table
+
 if TYPE_CHECKING:
     from omniflow.data._ref import DataRef
-    from omniflow.runtime._core import Activation
 
 __all__ = [
     "NOTHING",
     "REJECTED",
     "SETTLE",
     "ActState",
+    "Activation",
     "Cancel",
     "CancelKind",
     "Crash",
@@ -71,6 +73,55 @@ LEGAL: dict[ActState, frozenset[ActState]] = {
     ActState.RUNNING: frozenset({ActState.DONE}),
     ActState.DONE: frozenset(),
 }
+
+
+class Activation:
+    """One run of one node's method with one set of inputs."""
+
+    __slots__ = (
+        "aid",
+        "group",
+        "kwargs",
+        "node",
+        "refs",
+        "seq",
+        "state",
+        "table",
+        "yidx",
+    )
+
+    def __init__(
+        self,
+        aid: int,
+        node: str,
+        group: int,
+        kwargs: dict[str, Any],
+        table: Table,
+        seq: Entry,
+        state: ActState = ActState.PENDING,
+    ) -> None:
+        #: Activation id, unique within the call.
+        self.aid = aid
+        #: Node name.
+        self.node = node
+        #: OR group that fired.
+        self.group = group
+        #: Keyword arguments for the method.
+        self.kwargs = kwargs
+        #: Entries the inputs descend from.
+        self.table = table
+        #: Nearest SeqId entry of the inputs (stream and index used for ordering).
+        self.seq = seq
+        #: PENDING, RUNNING or DONE (born PENDING, or RUNNING when admitted straight to
+        #: running; moved by ``CallCore._move`` only).
+        self.state = state
+        #: Frames produced so far (the next frame's yield index; counted for stamping nodes).
+        self.yidx = 0
+        #: Data-plane refs among its inputs (each held until the activation ends).
+        self.refs: list[DataRef] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Activation {self.node}#{self.aid} g{self.group} seq={self.seq}>"
 
 
 class CancelKind(enum.Enum):

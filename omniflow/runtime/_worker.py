@@ -48,6 +48,7 @@ from omniflow.runtime._drive import drive, eager_task, generator_end
 from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
+from omniflow.runtime._setup import setup_role
 from omniflow.transport import bind, connect, run_loop
 from omniflow.transport._auth import (
     Opener,
@@ -309,8 +310,6 @@ class Worker:
 
     async def run(self) -> None:
         """Load, set up, serve until ``stop`` (or SIGTERM), tear down."""
-        from omniflow.runtime._runtime import setup_role
-
         # Methods run in copies of this context (taken before any setup() could add to it).
         self._ctx = contextvars.copy_context()
         try:

@@ -1,0 +1,30 @@
+"""A role's ``setup()``, as both placements await it (the front in-process, a worker).
+
+>>> await setup_role("vae", role.setup)                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from omniflow._exceptions import OmniflowError
+
+__all__ = ["setup_role"]
+
+
+async def setup_role(name: str, setup: Any) -> None:
+    """Await a role's ``setup()``; a failure says which role (both placements use this).
+
+    The role's ``pools`` are reachable while it runs (``omniflow.dsl._context.role_pools``), so
+    an engine built with ``pool="name"`` and started here finds the graph's pool."""
+    from omniflow.dsl._context import _setup_pools
+
+    pools = getattr(getattr(setup, "__self__", None), "pools", None)
+    token = _setup_pools.set(pools if pools is not None else MappingProxyType({}))
+    try:
+        await setup()
+    except Exception as exc:
+        raise OmniflowError(f"role '{name}' setup() failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _setup_pools.reset(token)
