@@ -8,6 +8,7 @@ calls instead of one median, so that neighbours on a loaded machine move the num
 less than with ``bench_runtime.py`` (whose wall-clock medians are what the targets name).
 Prints one line: chain-1 and chain-16 µs per call, the marginal µs per extra hop, and the
 stream's frames per second. The graphs are ``bench_runtime``'s.
+``OMNIFLOW_BENCH_OTLP=URL`` runs them traced, exporting to an OTLP/HTTP collector at URL.
 """
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ import bench_runtime as br
 import omniflow as of
 
 
+def _kw() -> dict[str, object]:
+    """Runtime options: tracing on when ``OMNIFLOW_BENCH_OTLP`` names a collector."""
+    url = os.environ.get("OMNIFLOW_BENCH_OTLP")
+    if not url:
+        return {}
+    from omniflow.runtime._tracing import otlp_provider
+
+    return {"tracer_provider": otlp_provider(url)}
+
+
 async def chain(n: int) -> float:
     """Best median per-call CPU time (µs) of ``rt.run`` on an n-node chain."""
-    async with of.Runtime(br.of_chain(n)) as rt:
+    async with of.Runtime(br.of_chain(n), **_kw()) as rt:
         name = f"chain{n}"
         for _ in range(200):
             await rt.run(name, {"x0": 0})
@@ -45,7 +56,7 @@ async def chain(n: int) -> float:
 
 async def stream(k: int = 10_000) -> float:
     """Best frames/s (CPU time) of a k-frame stream through 3 nodes, of 3 runs."""
-    async with of.Runtime(br.of_stream()) as rt:
+    async with of.Runtime(br.of_stream(), **_kw()) as rt:
 
         async def run(n: int) -> int:
             m = 0

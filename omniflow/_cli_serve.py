@@ -181,6 +181,13 @@ def register(subparsers: Subparsers) -> None:
         "every registry record (default: $OMNIFLOW_CLUSTER_KEY, else one generated for the "
         "workers this server spawns; hand-started workers need the same key)",
     )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        help="export OpenTelemetry traces over OTLP/HTTP to URL/v1/traces (needs the otel "
+        "extra; default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: no tracing)",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="server log level")
     p.add_argument("--access-log", action="store_true", help="log one line per request")
     _add_limit_options(p)
@@ -322,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
         ),
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+        otlp_endpoint=args.otlp_endpoint,
     )
     names = ", ".join(app.state.omniflow.runtime.plans)
 

@@ -38,6 +38,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "omniflow._cli_plan",
     "omniflow._cli_run",
     "omniflow._cli_serve",
+    "omniflow._cli_story",
     "omniflow._cli_worker",
 )
 

@@ -9,9 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian tools the tests use: redis-server (private servers on free ports), graphviz (plan
-# pictures), espeak-ng and sox (the omni_chat graph speaks WAV files and the tests read them).
+# pictures), espeak-ng and sox (the omni_chat graph speaks WAV files and the tests read them),
+# chromium (GET /ui drawn headless: tests/serve/test_live.py).
 missing=""
-for tool in redis-server:redis-server dot:graphviz espeak-ng:espeak-ng soxi:sox; do
+for tool in redis-server:redis-server dot:graphviz espeak-ng:espeak-ng soxi:sox chromium:chromium; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing="$missing ${tool##*:}"
 done
 if [ -n "$missing" ]; then

@@ -2,14 +2,18 @@
 
 Off by default (``Runtime(metrics=True)`` turns it on); the server renders it as Prometheus
 text. Recording is a few integer updates per activation; nothing is allocated per event.
+Stage metrics (queue wait, time to first frame, activations started) are recorded by the
+observed call core (``_observe.ObservedCore``), which the runtime uses only while metrics or
+tracing are on.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["LATENCY_BUCKETS", "NodeMetrics", "RuntimeMetrics"]
+__all__ = ["LATENCY_BUCKETS", "RECENT", "Histogram", "NodeMetrics", "RuntimeMetrics"]
 
 #: Upper bounds (seconds) of the latency histogram buckets; +Inf is implied.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -27,6 +31,22 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+#: Run times each node keeps for its live percentiles (``GET /ui``).
+RECENT = 256
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Counts per LATENCY_BUCKETS bound (plus one for +Inf) and their sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
 @dataclass(slots=True)
 class NodeMetrics:
     """Counters of one (graph, node)."""
@@ -34,13 +54,21 @@ class NodeMetrics:
     activations: int = 0
     errors: int = 0
     cancelled: int = 0
+    #: Activations handed out to run (``activations`` of them ended; the rest are in flight).
+    started: int = 0
     #: Histogram counts per LATENCY_BUCKETS bound, plus one for +Inf.
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
+    #: The last RECENT run times (seconds), for p50/p99 on the live page.
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    #: Queue wait: admitted (inputs complete) -> handed out to run (session order,
+    #: max_concurrency, loop bounds hold activations back here).
+    queue_wait: Histogram = field(default_factory=Histogram)
 
     def observe(self, seconds: float) -> None:
         self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.latency_sum += seconds
+        self.recent.append(seconds)
 
 
 @dataclass(slots=True)
@@ -54,6 +82,9 @@ class RuntimeMetrics:
     calls_finished: dict[str, int] = field(default_factory=dict)
     #: Frames delivered to callers, per (graph, field).
     frames_out: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: Time from a call's start to its first frame of each output field, per (graph, field)
+    #: (TTFT for a text field; the hook for time to first audio once fields carry media).
+    first_frame: dict[tuple[str, str], Histogram] = field(default_factory=dict)
 
     def node(self, graph: str, node: str) -> NodeMetrics:
         m = self.nodes.get((graph, node))

@@ -215,6 +215,8 @@ class RemoteRoles:
         #: Workers start direct-fire runs on each other (``_forward``); None: from
         #: ``$OMNIFLOW_FAST_PATH`` (on unless it says 0/false/off/no).
         self.fast_path = fast_path_enabled() if fast_path is None else fast_path
+        #: The front traces (``Runtime(tracer_provider=)``): runs carry their span's context.
+        self.traced = False
         #: The deployment's key (workers started here get it in their environment).
         self.cluster_key = cluster_key if cluster_key is not None else resolve_key()[0]
         #: The replicas: connections, processes, supervision (``_fleet``).
@@ -388,6 +390,9 @@ class RemoteRoles:
             call.graph, off, self._threshold if off else None,
             self._connectors.get(act.node) or None, fw,
         ))  # fmt: skip
+        if self.traced:  # its span's context rides along (``_observe.ObservedCore.placed``)
+            where = targets[0].replica_id if targets is not None and len(targets) == 1 else ""
+            run = _new(Run, (*run, core.placed(act, where)))  # type: ignore[attr-defined]
         try:
             frames = encode_msg(run)
         except Exception as exc:
@@ -481,6 +486,8 @@ class RemoteRoles:
         self.forwarded += 1
         self._bound.append(key)
         self.fleet.known = True  # (what waits for it need not wait for the next loop turn)
+        if self.traced:
+            core.placed(act, rep.replica_id)  # type: ignore[attr-defined]
         return True
 
     def _orphan(self, rep: Replica, c: str, wid: str, done: bool = False) -> None:

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import (
     InputError,
@@ -46,6 +46,7 @@ from omniflow.runtime._core import RUNNING, Activation, CallCore
 from omniflow.runtime._drive import Continue, drive, eager_task, generator_end
 from omniflow.runtime._launch import Launcher
 from omniflow.runtime._metrics import RuntimeMetrics
+from omniflow.runtime._observe import ObservedCore
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._placement import plan_processes, resolve_connectors
 from omniflow.runtime._ray_plan import Ray
@@ -66,6 +67,9 @@ from omniflow.runtime._stimuli import (
     render_story,
 )
 from omniflow.transport._auth import WireStats, resolve_key
+
+if TYPE_CHECKING:
+    from omniflow.runtime._tracing import Tracing
 
 __all__ = ["Runtime", "RuntimeState"]
 
@@ -121,6 +125,9 @@ class Runtime:
     ``$OMNIFLOW_CLUSTER_KEY``, else one generated here and handed to the spawned workers); the
     Params Pools of the graphs seal their page pulls with the same key (``set_cluster_key``).
     Scheduling always stays in this process, so semantics do not depend on placement.
+    ``tracer_provider``: an OpenTelemetry TracerProvider; each call is then an
+    ``omniflow.call`` span (a child of the span current at ``rt.call``) with one span per
+    activation, in every placement (docs/contract.md §4; ``_observe``, ``_tracing``).
     """
 
     def __init__(
@@ -138,6 +145,7 @@ class Runtime:
         cluster_key: str | bytes | None = None,
         heartbeat_misses: int = 10,
         session_ttl: float | None = 3600.0,
+        tracer_provider: Any = None,
     ) -> None:
         if not graphs:
             raise OmniflowError("Runtime needs at least one Graph")
@@ -278,6 +286,14 @@ class Runtime:
         self._set_up: list[Any] = []
         #: Counters for /metrics (None while metrics are off).
         self.metrics: RuntimeMetrics | None = RuntimeMetrics() if metrics else None
+        #: Spans of calls and activations (None while tracing is off, docs/contract.md §4).
+        self.tracing: Tracing | None = None
+        if tracer_provider is not None:
+            from omniflow.runtime._tracing import Tracing
+
+            self.tracing = Tracing(tracer_provider)
+            if self.remote is not None:
+                self.remote.traced = True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -473,6 +489,13 @@ class Runtime:
             "data_plane_bytes": held,
         }
 
+    def calls_in_flight(self) -> dict[str, int]:
+        """Calls started or queued and not finished, per graph (graphs with none left out)."""
+        out: dict[str, int] = {}
+        for call in self._calls.values():
+            out[call.graph] = out.get(call.graph, 0) + 1
+        return out
+
     def readiness(self) -> list[str]:
         """Roles that have no live replica right now (sorted); [] when every role can serve.
 
@@ -573,7 +596,15 @@ class Runtime:
             return
         compiled = self._compiled[call.graph]
         shuffle = random.Random(f"{self.shuffle_seed}:{call.call_id}") if self.validate else None
-        core = CallCore(compiled, call.call_id, story=self.story_log, shuffle=shuffle)
+        if self.metrics is None and self.tracing is None:
+            core = CallCore(compiled, call.call_id, story=self.story_log, shuffle=shuffle)
+        else:  # the same core, observed: stage metrics and spans (``_observe``)
+            core = ObservedCore(
+                compiled, call.call_id, story=self.story_log, shuffle=shuffle,
+                metrics=self.metrics, tracing=self.tracing,
+                parent=call._ctx.run(_otel_current) if self.tracing is not None else None,
+                session=call.session,
+            )  # fmt: skip
         call.core = core
         if self.metrics is not None:
             self.metrics.calls_started += 1
@@ -1061,6 +1092,13 @@ class Runtime:
                 else:
                     del self._queues[call.session]
                     self._session_idle(call.session)
+
+
+def _otel_current() -> Any:
+    """The OpenTelemetry context current where the call was made (the server span)."""
+    from opentelemetry import context
+
+    return context.get_current()
 
 
 def _launcher(

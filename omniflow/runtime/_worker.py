@@ -49,6 +49,7 @@ from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._setup import setup_role
+from omniflow.runtime._tracing import attach_traceparent
 from omniflow.transport import bind, connect, run_loop
 from omniflow.transport._auth import (
     Opener,
@@ -125,10 +126,12 @@ CANCELLED_EARLY = 4096
 class _Fw:
     """The fast-path routes of one running activation, and its next frame index."""
 
-    __slots__ = ("a", "c", "ft", "gr", "k", "q", "routes", "s")
+    __slots__ = ("a", "c", "ft", "gr", "k", "q", "routes", "s", "tp")
 
     def __init__(self, routes: tuple[Route, ...], run: Run, ft: str) -> None:
         self.routes = routes
+        #: The run's traceparent: its forwards carry it on (None: not traced).
+        self.tp = run.tp
         self.c = run.c
         self.a = run.a
         self.s = run.s
@@ -744,7 +747,7 @@ class Worker:
     def _forwards(self, msg: Forwards) -> None:
         """Serve each record of ``msg`` as the ``Forward`` it stands for, in order (a bad
         record is dropped alone)."""
-        ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw = msg
+        ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw, tp = msg
         if len(vs) != len(as_) or len(qs) != len(as_):
             self._dropped("malformed", TransportError("forwards: lists of unlike lengths"))
             return
@@ -758,7 +761,7 @@ class Worker:
                 continue
             try:
                 # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
-                self._start(front, _new(Run, (c, a, n, {f: v}, s, g, q, gr, off, th, conn, fw)))
+                self._start(front, _new(Run, (c, a, n, {f: v}, s, g, q, gr, off, th, conn, fw, tp)))
             except Exception as exc:  # one that fails stops none of the others (``_handle_one``)
                 self._dropped("malformed", exc)
 
@@ -862,7 +865,7 @@ class Worker:
         return value
 
     def _run(self, peer: bytes | None, run: Run) -> None:
-        c, a, node, kwargs, session, group, q, graph, off, th, _conn, fw = run
+        c, a, node, kwargs, session, group, q, graph, off, th, _conn, fw, tp = run
         # The front will send end_call (it tracks this worker for the call) when the call may
         # leave state here: per-call params, pages in a Params Pool, or offloaded outputs
         # (``_placed``: only once one was, as the front learns only from a frame that has one).
@@ -885,6 +888,8 @@ class Worker:
             ActivationContext, graph, session, c, node, group, self._params(session, c, graph),
             q, a, self._pool_view,
         ))  # fmt: skip
+        if tp is not None:  # traced: the method runs under its activation's span
+            ctx.run(attach_traceparent, tp)
         key = (peer, c, a)
         try:
             call = method(**kwargs)
@@ -958,7 +963,7 @@ class Worker:
                 else:  # encoded now: what the value is now (or a batch of one's run: it goes)
                     envelope = encode_fields(
                         Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
-                        route.group, q, fw.gr, route.off, route.th, route.conn, route.sub,
+                        route.group, q, fw.gr, route.off, route.th, route.conn, route.sub, fw.tp,
                     )  # fmt: skip
                     if self._direct:  # (sent right after the run's end: ``_take``)
                         self._after_end.append((route.address, envelope))
@@ -1195,10 +1200,10 @@ class _FwdBatch:
     field, session, group, graph and routes (one route of runs with equal ``_Fw`` fields):
     encoded together when the held messages leave."""
 
-    __slots__ = ("as_", "c", "ft", "gr", "qs", "route", "s", "vs")
+    __slots__ = ("as_", "c", "ft", "gr", "qs", "route", "s", "tp", "vs")
 
     def __init__(self, fw: _Fw, route: Route, wid: str, value: Any, q: int) -> None:
-        self.ft, self.c, self.s, self.gr = fw.ft, fw.c, fw.s, fw.gr
+        self.ft, self.c, self.s, self.gr, self.tp = fw.ft, fw.c, fw.s, fw.gr, fw.tp
         self.route = route
         self.as_ = [wid]
         self.vs = [value]
@@ -1212,6 +1217,7 @@ class _FwdBatch:
             and fw.ft == self.ft
             and fw.s == self.s
             and fw.gr == self.gr
+            and fw.tp == self.tp
             and len(self.as_) < MAX_BATCH
         )
 
@@ -1224,7 +1230,7 @@ class _FwdBatch:
             try:
                 return [encode_fields(
                     Forwards, self.ft, r.rid, self.c, r.node, r.field, self.s, r.group, self.gr,
-                    self.as_, self.vs, self.qs, r.off, r.th, r.conn, r.sub,
+                    self.as_, self.vs, self.qs, r.off, r.th, r.conn, r.sub, self.tp,
                 )]  # fmt: skip
             except Exception:  # (rare: find the ones that cannot be sent)
                 pass
@@ -1233,7 +1239,7 @@ class _FwdBatch:
             try:
                 out.append(encode_fields(
                     Forward, self.ft, r.rid, self.c, wid, r.node, {r.field: value}, self.s,
-                    r.group, q, self.gr, r.off, r.th, r.conn, r.sub,
+                    r.group, q, self.gr, r.off, r.th, r.conn, r.sub, self.tp,
                 ))  # fmt: skip
             except Exception as exc:
                 logger.debug("forward %s not sent: %s", wid, exc)

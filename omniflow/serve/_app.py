@@ -14,6 +14,8 @@
                                        "roles": [roles without a live replica]}
     DELETE /v1/sessions/{id}         close a session (its GlobalParameters): 204
     GET  /metrics                    Prometheus text format 0.0.4
+    GET  /ui, /ui/graphs, /ui/events the live page and what it draws (see _live)
+    GET  /v1/calls/{id}/story        a recent call's transition story (see _live)
     GET  /v1/models                  OpenAI: each graph with the endpoints its shape serves
     POST /v1/chat/completions        OpenAI: chat completion, streaming or not, text and audio
     POST /v1/audio/speech            OpenAI: text to speech, streamed (_speech)
@@ -39,6 +41,7 @@ listening, so that clients see 503s rather than refused connections (see ``_serv
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -57,7 +60,7 @@ from omniflow._exceptions import InputError, OmniflowError
 from omniflow._loader import load_graphs
 from omniflow.dsl import Graph
 from omniflow.runtime import Runtime
-from omniflow.serve import _media_routes, _openai, _realtime, _speech
+from omniflow.serve import _live, _media_routes, _openai, _realtime, _speech
 from omniflow.serve._codec import ValueDecodingError, loads
 from omniflow.serve._guard import Guard
 from omniflow.serve._limits import LOOPBACK_HOSTS, Limits, bad_session
@@ -113,7 +116,12 @@ async def call_graph(request: Request) -> Response | CallResponse:
         return error(status, message, headers={"retry-after": "1"})
     response: Response | CallResponse | None = None
     try:
-        response = await _start_call(request, state, name)
+        if state.runtime.tracing is None:
+            response = await _start_call(request, state, name)
+        else:  # a server span around it (docs/contract.md §4)
+            response = await _live.traced_call(
+                request, name, lambda: _start_call(request, state, name)
+            )
     finally:
         if not isinstance(response, CallResponse):
             state.release()
@@ -200,7 +208,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
         return error(405, f"{request.method} is not allowed on {request.url.path}")
     routes = (
         "GET /v1/graphs, POST /v1/graphs/{name}/call, DELETE /v1/sessions/{id}, GET /healthz, "
-        "GET /readyz, GET /metrics"
+        "GET /readyz, GET /metrics, GET /ui, GET /v1/calls/{id}/story"
     )
     return error(404, f"no route {request.method} {request.url.path}; this server has {routes}")
 
@@ -213,12 +221,18 @@ def _runtime(
     placement: Any,
     registry: str | None,
     session_ttl: float | None,
+    tracer_provider: Any = None,
 ) -> tuple[Runtime, bool]:
     if isinstance(source, Runtime):
-        if placement != "inproc" or registry is not None or session_ttl is not None:
+        if (
+            placement != "inproc"
+            or registry is not None
+            or session_ttl is not None
+            or tracer_provider is not None
+        ):
             raise OmniflowError(
-                "placement/registry/session_ttl configure the Runtime that create_app builds; "
-                "pass them to the Runtime you give it instead"
+                "placement/registry/session_ttl/tracing configure the Runtime that create_app "
+                "builds; pass them to the Runtime you give it instead"
             )
         return source, False
     items = [source] if isinstance(source, Graph | str | os.PathLike) else list(source)
@@ -235,6 +249,8 @@ def _runtime(
     options: dict[str, Any] = {}
     if session_ttl is not None:
         options["session_ttl"] = session_ttl
+    if tracer_provider is not None:
+        options["tracer_provider"] = tracer_provider
     rt = Runtime(*graphs, placement=placement, registry=registry, metrics=True, **options)
     return rt, True
 
@@ -250,6 +266,7 @@ def create_app(
     session_ttl: float | None = None,
     limits: Limits | None = None,
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    otlp_endpoint: str | None = None,
 ) -> Starlette:
     """The ASGI app serving a Runtime, or every Graph of the given graphs / graph files.
 
@@ -265,9 +282,15 @@ def create_app(
     ``OMNIFLOW_API_KEY``). ``session_ttl`` goes to ``Runtime(session_ttl=)`` (None: the
     Runtime's default). ``limits`` bound request bodies here and connections under ``serve``
     (``_limits``); ``allowed_hosts`` are the ``Host`` names answered (default: loopback names;
-    ``"*"``: any).
+    ``"*"``: any). ``otlp_endpoint``: export traces there over OTLP/HTTP (the app builds the
+    tracer provider, and flushes it at shutdown; docs/contract.md §4).
     """
-    rt, owns = _runtime(runtime_or_graph_paths, placement, registry, session_ttl)
+    provider = None
+    if otlp_endpoint:
+        from omniflow.runtime._tracing import otlp_provider
+
+        provider = otlp_provider(otlp_endpoint)
+    rt, owns = _runtime(runtime_or_graph_paths, placement, registry, session_ttl, provider)
     state = ServeState(
         rt,
         owns_runtime=owns,
@@ -284,7 +307,11 @@ def create_app(
         try:
             yield
         finally:
-            await state.close()
+            try:
+                await state.close()
+            finally:
+                if provider is not None:  # (what is batched leaves, off the event loop)
+                    await asyncio.to_thread(provider.shutdown)
 
     app = Starlette(
         routes=[
@@ -294,6 +321,7 @@ def create_app(
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *_live.routes,
             *_openai.routes,
             *_speech.routes,
             *_media_routes.routes,

@@ -7,7 +7,13 @@ which the hot path updates without a library call), and ``generate_latest`` writ
     omniflow_node_activations_total{graph,node}     counter   finished activations
     omniflow_node_errors_total{graph,node}          counter   activations that raised
     omniflow_node_cancelled_total{graph,node}       counter   activations cancelled
-    omniflow_node_latency_seconds{graph,node}       histogram activation wall time
+    omniflow_node_latency_seconds{graph,node}       histogram activation wall time (run time)
+    omniflow_node_queue_wait_seconds{graph,node}    histogram admitted (inputs complete) ->
+                                                              handed out to run
+    omniflow_node_started_total{graph,node}         counter   activations handed out to run
+    omniflow_first_frame_seconds{graph,field}       histogram call start -> its first frame of
+                                                              each output field (TTFT; the
+                                                              hook for time to first audio)
     omniflow_calls_started_total                    counter
     omniflow_calls_finished_total{status}           counter   ok | error | cancelled
     omniflow_frames_total{graph,field}              counter   frames the runtime delivered
@@ -111,6 +117,15 @@ def _family(
     return fam
 
 
+def _buckets(bounds: list[str], counts: list[int]) -> list[tuple[str, float]]:
+    """Cumulative histogram buckets."""
+    cumulative, out = 0, []
+    for le, count in zip(bounds, counts, strict=True):
+        cumulative += count
+        out.append((le, float(cumulative)))
+    return out
+
+
 def _runtime_families(rt: Runtime) -> Iterator[Metric]:
     m = rt.metrics
     if m is None:
@@ -136,6 +151,24 @@ def _runtime_families(rt: Runtime) -> Iterator[Metric]:
             buckets.append((le, float(cumulative)))
         hist.add_metric([g, n], buckets, nm.latency_sum)
     yield hist
+    yield _family("counter", "omniflow_node_started_total", "Activations handed out to run.",
+                  ((dict(graph=g, node=n), nm.started) for (g, n), nm in nodes))  # fmt: skip
+    wait = HistogramMetricFamily(
+        "omniflow_node_queue_wait_seconds",
+        "Time from an activation's admission (inputs complete) to its start, per node.",
+        labels=["graph", "node"],
+    )
+    for (g, n), nm in nodes:
+        wait.add_metric([g, n], _buckets(bounds, nm.queue_wait.counts), nm.queue_wait.total)
+    yield wait
+    first = HistogramMetricFamily(
+        "omniflow_first_frame_seconds",
+        "Time from a call's start to its first frame of each output field.",
+        labels=["graph", "field"],
+    )
+    for (g, f), h in sorted(m.first_frame.items()):
+        first.add_metric([g, f], _buckets(bounds, h.counts), h.total)
+    yield first
     yield _family("counter", "omniflow_calls_started_total", "Calls started.",
                   [({}, m.calls_started)])  # fmt: skip
     yield _family(

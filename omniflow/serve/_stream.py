@@ -134,9 +134,16 @@ def queued(call: Call) -> int:
 
 
 def done_line(call: Call, extra: list[dict[str, Any]]) -> bytes:
-    """The last NDJSON line: ``{"done": true, "status", "errors", "warnings"}``."""
+    """The last NDJSON line: ``{"done": true, "status", "errors", "warnings", "call_id"}``
+    (the id ``GET /v1/calls/{id}/story`` and ``omniflow story`` take)."""
     status, errors = call_status(call, extra)
-    line = {"done": True, "status": status, "errors": errors, "warnings": call.warnings}
+    line = {
+        "done": True,
+        "status": status,
+        "errors": errors,
+        "warnings": call.warnings,
+        "call_id": call.call_id,
+    }
     return dumps(line) + b"\n"
 
 
@@ -157,6 +164,8 @@ class CallResponse:
         #: The server's synchronous chunk writer (``_conn.WRITE_BODY``), or None.
         self.write_body: Callable[[bytes], bool] | None = None
         self._complete = False
+        #: Called once the response ended (the server span ends there), or None.
+        self.on_end: Callable[[], None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self.call
@@ -173,6 +182,8 @@ class CallResponse:
                 await call.cancel()
             self.state.leave(call)
             log_call_end(call, disconnected=self.disconnected)
+            if self.on_end is not None:
+                self.on_end()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
 
@@ -354,6 +365,8 @@ class JsonCallResponse(CallResponse):
                 dumps(errors),
                 b',"warnings":',
                 dumps(self.call.warnings),
+                b',"call_id":',
+                dumps(self.call.call_id),
                 b"}",
             )
         )

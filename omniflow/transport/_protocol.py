@@ -3,7 +3,7 @@
     front -> worker                            worker -> front
     Hello  (front, interval)                   Ready  (replica, roles, pid)
     Run    (c, a, n, k, s, g, q, gr,           Frame  (c, a, f, x)         (any number)
-            off, th, conn, fw)                 Frames (c, a, fs, xs)       (several, in order)
+            off, th, conn, fw, tp)             Frames (c, a, fs, xs)       (several, in order)
     Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
                                                Dones  (cs, as_, fs, xs)    (good ends, together)
     Release (refs)   EndCall (c, ack)          Heartbeat ()                (every interval)
@@ -21,8 +21,8 @@
     Pull (r, h)                                Pulled (r, data)  or  PullFailed (r, error)
 
     upstream worker -> downstream worker (the fast path: no answer; results go to the front)
-    Forward (ft, rid, c, a, n, k, s, g, q, gr, off, th, conn, fw)
-    Forwards (ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw)   (several, together)
+    Forward (ft, rid, c, a, n, k, s, g, q, gr, off, th, conn, fw, tp)
+    Forwards (ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw, tp)   (several)
 
     either way
     Batch (ms)   several single-frame messages to one peer, sealed once (``batch``)
@@ -32,7 +32,9 @@
 ``th`` the front's offload threshold (None: the default), ``conn`` source node -> connector.
 ``fw`` the run's fast-path routes: one ``[field, node, group, address, replica id, off, th,
 conn, q from the frame index, sub-routes]`` per downstream node the worker may start itself
-(``runtime/_forward.py``). A frame's ``x`` lists ``[route index, wire id]`` of the runs its
+(``runtime/_forward.py``). ``tp`` the W3C ``traceparent`` of the activation's span while the
+front traces (None: not traced, and left off the wire); a forward carries its upstream run's.
+A frame's ``x`` lists ``[route index, wire id]`` of the runs its
 worker forwarded for it (``xs``: one such list or None per frame of ``Frames``). ``a`` is the
 front's activation id (an int) or, for a forwarded run, its wire id (a str, ``"<upstream wire
 id>.<frame index>.<route index>"``). A ``Forward`` is a ``Run`` one worker sends another on
@@ -160,6 +162,7 @@ class Run(NamedTuple):
     th: int | None = None
     conn: dict[str, str] | None = None
     fw: list[Any] | None = None
+    tp: str | None = None
 
 
 class Forward(NamedTuple):
@@ -179,6 +182,7 @@ class Forward(NamedTuple):
     th: int | None = None
     conn: dict[str, str] | None = None
     fw: list[Any] | None = None
+    tp: str | None = None
 
 
 class Forwards(NamedTuple):
@@ -201,6 +205,7 @@ class Forwards(NamedTuple):
     th: int | None = None
     conn: dict[str, str] | None = None
     fw: list[Any] | None = None
+    tp: str | None = None
 
 
 class Cancel(NamedTuple):
@@ -367,6 +372,7 @@ _RUN: tuple[tuple[type, ...], ...] = (
     (int, _N),
     (dict, _N),
     (list, _N),
+    (str, _N),
 )
 #: The fields of a ``Forwards``: ft, rid, c, n, f, s, g, gr, the three lists, then as a run's.
 _FORWARDS: tuple[tuple[type, ...], ...] = (

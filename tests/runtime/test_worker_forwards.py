@@ -62,7 +62,7 @@ def records(msgs: list[tuple[str, Any]]) -> list[tuple[str, Forward]]:
     for address, msg in msgs:
         if type(msg) is Forwards:
             assert len(msg.as_) > 1  # (one alone goes as a forward)
-            ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw = msg
+            ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw, _tp = msg
             for a, v, q in zip(as_, vs, qs, strict=True):
                 out.append((address, Forward(ft, rid, c, a, n, {f: v}, s, g, q, gr, off, th,
                                              conn, fw)))  # fmt: skip

@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import numpy as np
@@ -54,7 +55,7 @@ async def test_stream_is_ndjson_frames_then_done(inproc: Factory) -> None:
         {"field": "text", "value": "three", "node": "reverser.generate", "seq": 0},
         {"field": "text", "value": " two", "node": "reverser.generate", "seq": 1},
         {"field": "text", "value": " one", "node": "reverser.generate", "seq": 2},
-        {"done": True, "status": "ok", "errors": [], "warnings": []},
+        {"done": True, "status": "ok", "errors": [], "warnings": [], "call_id": ANY},
     ]
 
 
@@ -67,7 +68,7 @@ async def test_non_stream_shape(inproc: Factory) -> None:
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
     body = r.json()
-    assert set(body) == {"outputs", "status", "errors", "warnings"}
+    assert set(body) == {"outputs", "status", "errors", "warnings", "call_id"}
     assert body["warnings"] == []
     assert (body["status"], body["errors"]) == ("ok", [])
     async with of.Runtime(*of.load_graphs(FIG3)) as rt:
@@ -85,6 +86,7 @@ async def test_non_stream_lists_every_declared_output(inproc: Factory) -> None:
         "status": "ok",
         "errors": [],
         "warnings": [],
+        "call_id": ANY,
     }
 
 
@@ -298,6 +300,7 @@ async def test_drain_lets_inflight_finish_and_refuses_new(inproc: Factory, tmp_p
         "status": "ok",
         "errors": [],
         "warnings": [],
+        "call_id": ANY,
     }
     assert await drain == 0
 

@@ -7,6 +7,7 @@ import select
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_run_json_is_the_http_stream(capsys: Capsys, tmp_path: Path) -> None:
     assert rc == 0
     lines = [json.loads(line) for line in out.splitlines()]
     assert lines[0] == {"field": "token", "value": "txt0:6", "node": "llm.generate", "seq": 0}
-    assert lines[-1] == {"done": True, "status": "ok", "errors": [], "warnings": []}
+    assert lines[-1] == {"done": True, "status": "ok", "errors": [], "warnings": [], "call_id": ANY}
     assert [ln["field"] for ln in lines[:-1]] == ["token", "token", "picture"]
 
 

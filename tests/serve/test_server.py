@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import openai
@@ -50,7 +51,7 @@ async def test_frames_stream_before_the_call_ends(
             rest = [line async for line in lines]
     assert rest == [
         {"field": "step", "value": "released", "node": "gate.wait", "seq": 1},
-        {"done": True, "status": "ok", "errors": [], "warnings": []},
+        {"done": True, "status": "ok", "errors": [], "warnings": [], "call_id": ANY},
     ]
 
 
@@ -121,6 +122,7 @@ async def test_non_stream_and_errors_over_the_socket(shared_server: ServerProc) 
             "status": "ok",
             "errors": [],
             "warnings": [],
+            "call_id": ANY,
         }
         r = await c.post("/v1/graphs/nope/call", json={"inputs": {}})
         assert r.status_code == 404
@@ -253,7 +255,13 @@ async def test_sigterm_drains_then_exits_0(tmp_path: Path) -> None:
                 rest2 = [line async for line in s2]
         for rest in (rest1, rest2):
             assert [ln.get("value") for ln in rest[:-1]] == ["released"]
-            assert rest[-1] == {"done": True, "status": "ok", "errors": [], "warnings": []}
+            assert rest[-1] == {
+                "done": True,
+                "status": "ok",
+                "errors": [],
+                "warnings": [],
+                "call_id": ANY,
+            }
         assert server.proc.wait(15) == 0
         assert (markers / "teardown").exists()  # the runtime closed: role teardown ran
         assert "Traceback" not in server.stderr()
