@@ -83,8 +83,14 @@ class RuntimeMetrics:
     #: Frames delivered to callers, per (graph, field).
     frames_out: dict[tuple[str, str], int] = field(default_factory=dict)
     #: Time from a call's start to its first frame of each output field, per (graph, field)
-    #: (TTFT for a text field; the hook for time to first audio once fields carry media).
+    #: (TTFT for a text field).
     first_frame: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    #: Time from a call's start to its first ``of.Audio`` frame of each field (time to first
+    #: audio), per (graph, field).
+    first_audio: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    #: Real-time factor of each call's ``of.Audio`` output field (call seconds per second of
+    #: audio it carried; below 1: faster than real time), per (graph, field).
+    audio_rtf: dict[tuple[str, str], Histogram] = field(default_factory=dict)
 
     def node(self, graph: str, node: str) -> NodeMetrics:
         m = self.nodes.get((graph, node))

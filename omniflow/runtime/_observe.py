@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from omniflow._media import Audio
 from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._metrics import Histogram, NodeMetrics, RuntimeMetrics
 from omniflow.runtime._stimuli import Ended, Instructions, Produced, Returned, Stimulus
@@ -80,6 +81,8 @@ class ObservedCore(CallCore):
         self.made_by: dict[Activation, Activation | None] = {}
         #: Output fields whose first frame was seen.
         self.first_seen: set[str] = set()
+        #: Output fields that carried ``of.Audio`` -> seconds of audio they carried so far.
+        self.audio_s: dict[str, float] = {}
         #: node -> its metrics (looked up once per call).
         self._nodes: dict[str, NodeMetrics] = {}
         #: The call span, and each running activation's span.
@@ -135,8 +138,11 @@ class ObservedCore(CallCore):
                 self._end_span(ended, span, exc)
         if ins.emit and self.metrics is not None:
             self._first_frames(ins, now)
-        if ins.finished and tracing is not None:
-            self._end_call()
+        if ins.finished:
+            if self.audio_s:
+                self._audio_rtf()
+            if tracing is not None:
+                self._end_call()
         return ins
 
     # ------------------------------------------------------------------ recording
@@ -211,16 +217,26 @@ class ObservedCore(CallCore):
         span.end()
 
     def _first_frames(self, ins: Instructions, now: float) -> None:
-        assert self.metrics is not None
+        metrics = self.metrics
+        assert metrics is not None
         seen = self.first_seen
-        for f, *_ in ins.emit:
+        for f, value, *_ in ins.emit:
             if f not in seen:
                 seen.add(f)
-                key = (self.graph, f)
-                h = self.metrics.first_frame.get(key)
-                if h is None:
-                    h = self.metrics.first_frame[key] = Histogram()
-                h.observe(now - self.t_start)
+                _observe_into(metrics.first_frame, (self.graph, f), now - self.t_start)
+            if type(value) is Audio:  # time to first audio, and seconds of audio made
+                if f not in self.audio_s:
+                    self.audio_s[f] = 0.0
+                    _observe_into(metrics.first_audio, (self.graph, f), now - self.t_start)
+                self.audio_s[f] += value.duration
+
+    def _audio_rtf(self) -> None:
+        """Real-time factor of each audio output: seconds the call took per second of audio."""
+        assert self.metrics is not None
+        took = time.perf_counter() - self.t_start
+        for f, made in self.audio_s.items():
+            if made > 0:
+                _observe_into(self.metrics.audio_rtf, (self.graph, f), took / made)
 
     def _end_call(self) -> None:
         for act, span in list(self.spans.items()):  # cancelled, or lost with the call
@@ -246,6 +262,13 @@ class ObservedCore(CallCore):
 
         span.set_attribute("omniflow.replica", replica)
         return traceparent(span)
+
+
+def _observe_into(table: dict[tuple[str, str], Histogram], key: tuple[str, str], v: float) -> None:
+    h = table.get(key)
+    if h is None:
+        h = table[key] = Histogram()
+    h.observe(v)
 
 
 def _values(kwargs: dict[str, Any], spec: NodeSpec) -> list[Any]:

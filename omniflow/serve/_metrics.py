@@ -11,6 +11,8 @@ which the hot path updates without a library call), and ``generate_latest`` writ
     omniflow_node_queue_wait_seconds{graph,node}    histogram admitted (inputs complete) ->
                                                               handed out to run
     omniflow_node_started_total{graph,node}         counter   activations handed out to run
+    omniflow_first_audio_seconds{graph,field}       histogram call start -> its first of.Audio
+    omniflow_audio_real_time_factor{graph,field}    histogram call seconds per second of audio
     omniflow_first_frame_seconds{graph,field}       histogram call start -> its first frame of
                                                               each output field (TTFT; the
                                                               hook for time to first audio)
@@ -169,6 +171,22 @@ def _runtime_families(rt: Runtime) -> Iterator[Metric]:
     for (g, f), h in sorted(m.first_frame.items()):
         first.add_metric([g, f], _buckets(bounds, h.counts), h.total)
     yield first
+    audio = HistogramMetricFamily(
+        "omniflow_first_audio_seconds",
+        "Time from a call's start to its first of.Audio frame of each output field.",
+        labels=["graph", "field"],
+    )
+    for (g, f), h in sorted(m.first_audio.items()):
+        audio.add_metric([g, f], _buckets(bounds, h.counts), h.total)
+    yield audio
+    rtf = HistogramMetricFamily(
+        "omniflow_audio_real_time_factor",
+        "Seconds a call took per second of of.Audio it produced, per output field.",
+        labels=["graph", "field"],
+    )
+    for (g, f), h in sorted(m.audio_rtf.items()):
+        rtf.add_metric([g, f], _buckets(bounds, h.counts), h.total)
+    yield rtf
     yield _family("counter", "omniflow_calls_started_total", "Calls started.",
                   [({}, m.calls_started)])  # fmt: skip
     yield _family(
