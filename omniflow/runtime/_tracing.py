@@ -30,6 +30,23 @@ _NOISY = (
 )
 
 
+#: The SDK's span queue, which warns on every span it drops when full (a stream that outruns
+#: the exporter): said once per process (``_FirstOnly``), then counted silently.
+_QUEUE = "opentelemetry.sdk._shared_internal"
+
+
+class _FirstOnly(logging.Filter):
+    """Let the first record through, drop the rest (and count them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.seen += 1
+        return self.seen == 1
+
+
 def _otel() -> Any:
     try:
         from opentelemetry import trace
@@ -103,6 +120,9 @@ class _LogOnce:
         self.dropped = 0
         for name in _NOISY:
             logging.getLogger(name).setLevel(logging.CRITICAL)
+        queue = logging.getLogger(_QUEUE)
+        if not any(isinstance(f, _FirstOnly) for f in queue.filters):
+            queue.addFilter(_FirstOnly())
 
     def export(self, spans: Any) -> Any:
         try:

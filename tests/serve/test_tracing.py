@@ -186,3 +186,34 @@ async def test_a_dead_collector_changes_nothing_for_calls(
     said = [r for r in caplog.records if r.name == "omniflow.tracing"]
     assert len(said) <= 1
     assert all("dropping spans" in r.getMessage() for r in said)
+
+
+def test_a_full_span_queue_is_said_once() -> None:
+    """The SDK warns for every span it drops from a full queue; omniflow lets one through."""
+    import logging
+
+    from omniflow.runtime import _tracing
+
+    provider = _tracing.otlp_provider("http://127.0.0.1:9")  # nothing listens there
+    try:
+        queue = logging.getLogger(_tracing._QUEUE)
+        records: list[logging.LogRecord] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record)
+
+        keep = Keep()
+        queue.addHandler(keep)
+        try:
+            for i in range(5):
+                queue.warning("Queue full, dropping %s.", f"span {i}")
+        finally:
+            queue.removeHandler(keep)
+        said = [f for f in queue.filters if isinstance(f, _tracing._FirstOnly)]
+        assert len(said) == 1 and len(records) == 1
+        # (the SDK's own DuplicateFilter holds back repeats for a while; ours, for good)
+        late = logging.LogRecord(_tracing._QUEUE, logging.WARNING, "", 0, "Queue full", (), None)
+        assert not said[0].filter(late) and not said[0].filter(late)
+    finally:
+        provider.shutdown()
