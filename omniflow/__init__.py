@@ -28,12 +28,14 @@ from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
     ActivationContext,
+    Batch,
     GlobalParameters,
     GlobalParametersRef,
     Graph,
     Placeholder,
     Role,
     RoleRef,
+    batch_contexts,
     context,
     interface,
 )
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALL",
     "ActivationContext",
+    "Batch",
     "Call",
     "DataError",
     "DataTimeoutError",
@@ -87,6 +90,7 @@ __all__ = [
     "StepOutput",
     "TorchEngine",
     "TransportError",
+    "batch_contexts",
     "chain_hashes",
     "context",
     "interface",
