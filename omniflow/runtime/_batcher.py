@@ -33,10 +33,16 @@ from omniflow._exceptions import OmniflowError
 from omniflow.dsl._context import _batch, _current
 from omniflow.dsl._role import Batch
 from omniflow.runtime._batching import BatchQueue
+from omniflow.runtime._drive import eager_task
 
 __all__ = ["BatchEntry", "Batcher", "EntryState"]
 
 logger = logging.getLogger("omniflow.runtime")
+
+#: The event loop's timer resolution: epoll waits whole milliseconds, rounded up, so a timer
+#: fires up to 1 ms late. The timer is armed this much early and takes what is due by then:
+#: a batch runs at most ``max_wait_ms`` after its first activation, never a millisecond past.
+SLACK = 0.001
 
 
 class EntryState(enum.Enum):
@@ -126,11 +132,12 @@ class Batcher:
         self.queue.add(entry, entry.group, self.clock())
         self.poll()
 
-    def poll(self) -> None:
-        """Start every batch that is due now, then arm the timer for the next deadline."""
+    def poll(self, slack: float = 0.0, eager: bool = False) -> None:
+        """Start every batch that is due now (or within ``slack``), then arm the timer for
+        the next deadline. ``eager``: start each batch's task now (not from inside a pump)."""
         now = self.clock()
-        while (keys := self.queue.take(now)) is not None:
-            self._start(keys)
+        while (keys := self.queue.take(now + slack)) is not None:
+            self._start(keys, eager)
         self._arm(now)
 
     def _arm(self, now: float) -> None:
@@ -142,14 +149,16 @@ class Batcher:
             self._timer = None
         self._timer_at = at
         if at is not None:
-            self._timer = asyncio.get_running_loop().call_later(max(0.0, at - now), self._fire)
+            delay = max(0.0, at - now - SLACK)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         self._timer_at = None
-        self.poll()
+        # A timer callback runs in no task and no pump: the batch's first step may run here.
+        self.poll(SLACK, eager=True)
 
-    def _start(self, entries: list[BatchEntry]) -> None:
+    def _start(self, entries: list[BatchEntry], eager: bool = False) -> None:
         run = _Running(entries)
         for e in entries:
             e.state = EntryState.RUNNING
@@ -157,16 +166,20 @@ class Batcher:
         ctx = self.base.copy()
         ctx.run(_current.set, entries[0].ctx)
         ctx.run(_batch.set, tuple(e.ctx for e in entries))
-        # The batch's own task (one loop turn later: it never runs inside the pump that
-        # queued its last activation, which may be another call's walker).
-        task = asyncio.get_running_loop().create_task(self._run(run), context=ctx)
+        self.running.add(run)  # (before its first step, which may end it)
+        # The batch's own task: started eagerly from the timer, else one loop turn later (it
+        # never runs inside the pump that queued its last activation, another call's walker).
+        coro = self._run(run)
+        if eager:
+            task = eager_task(coro, ctx)
+        else:
+            task = asyncio.get_running_loop().create_task(coro, context=ctx)
         run.task = task
-        self.running.add(run)
+        if self.track is not None:
+            self.track(task)
         # A batch cancelled (runtime or worker closing, every activation gone), even before
         # its first step: what is still running ends as cancelled.
         task.add_done_callback(lambda t: self._end(run, None) if t.cancelled() else None)
-        if self.track is not None:
-            self.track(task)
 
     async def _run(self, run: _Running) -> None:
         entries = run.entries
@@ -227,8 +240,9 @@ class Batcher:
             self._arm(self.clock())
         else:
             run = entry.batch
-            assert run is not None and run.task is not None
-            if all(e.state is not EntryState.RUNNING for e in run.entries):
+            assert run is not None
+            # (No task yet: cancelled from within its own eager first step, which ends it.)
+            if run.task is not None and all(e.state is not EntryState.RUNNING for e in run.entries):
                 run.task.cancel()
         loop.call_soon(entry.on_fail, asyncio.CancelledError())
 
