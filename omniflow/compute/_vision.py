@@ -192,23 +192,37 @@ class VisionEncoder:
         """Image file bytes -> (num_patches, projection_dim) rows."""
         return self.forward(decode_image(image, self.cfg.image_size))
 
-    @torch.inference_mode()
+    def encode_batch(self, images: list[bytes]) -> list[torch.Tensor]:
+        """Several images in one forward pass (a batched role, ``of.Batch``): one
+        (num_patches, projection_dim) tensor per image, as ``encode`` gives each."""
+        size = self.cfg.image_size
+        pixels = torch.stack([decode_image(im, size) for im in images])
+        return list(self.forward_batch(pixels).unbind(0))
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """(3, image_size, image_size) in [0, 1] -> (num_patches, projection_dim)."""
+        return self.forward_batch(pixels.unsqueeze(0))[0].contiguous()
+
+    @torch.inference_mode()
+    def forward_batch(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, image_size, image_size) in [0, 1] -> (B, num_patches, projection_dim)."""
         cfg, w = self.cfg, self.w
         x = (pixels - self.mean) / self.std
-        p = cfg.patch_size
-        # (C, H, W) -> (num_patches, C * p * p), patches in row-major order
-        patches = x.unfold(1, p, p).unfold(2, p, p).permute(1, 2, 0, 3, 4).reshape(-1, 3 * p * p)
+        p, b_ = cfg.patch_size, x.shape[0]
+        # (B, C, H, W) -> (B, num_patches, C * p * p), patches in row-major order
+        patches = (
+            x.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b_, -1, 3 * p * p)
+        )
         h = F.linear(patches, w["patch_embed.weight"], w["patch_embed.bias"]) + w["pos_embed"]
         heads, d = cfg.num_heads, cfg.hidden_size // cfg.num_heads
         eps = cfg.layer_norm_eps
+        n = h.shape[1]
         for i in range(cfg.num_layers):
             b = f"blocks.{i}."
             y = F.layer_norm(h, (cfg.hidden_size,), w[b + "norm1.weight"], w[b + "norm1.bias"], eps)
             qkv = F.linear(y, w[b + "attn.qkv.weight"], w[b + "attn.qkv.bias"])
-            q, k, v = qkv.view(-1, 3, heads, d).permute(1, 2, 0, 3)  # each (heads, n, d)
-            a = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(-1, cfg.hidden_size)
+            q, k, v = qkv.view(b_, n, 3, heads, d).permute(2, 0, 3, 1, 4)  # each (B, heads, n, d)
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b_, n, -1)
             h = h + F.linear(a, w[b + "attn.proj.weight"], w[b + "attn.proj.bias"])
             y = F.layer_norm(h, (cfg.hidden_size,), w[b + "norm2.weight"], w[b + "norm2.bias"], eps)
             y = F.gelu(F.linear(y, w[b + "mlp.fc1.weight"], w[b + "mlp.fc1.bias"]))

@@ -1,6 +1,6 @@
 """The declaration layer: roles, interfaces, graphs. Pure Python, no I/O."""
 
-from omniflow.dsl._context import ActivationContext, context
+from omniflow.dsl._context import ActivationContext, batch_contexts, context
 from omniflow.dsl._graph import (
     GlobalParameters,
     GlobalParametersRef,
@@ -8,12 +8,21 @@ from omniflow.dsl._graph import (
     Placeholder,
     RoleRef,
 )
-from omniflow.dsl._role import ALL, LB_POLICIES, InterfaceSpec, Role, interface, interfaces_of
+from omniflow.dsl._role import (
+    ALL,
+    LB_POLICIES,
+    Batch,
+    InterfaceSpec,
+    Role,
+    interface,
+    interfaces_of,
+)
 
 __all__ = [
     "ALL",
     "LB_POLICIES",
     "ActivationContext",
+    "Batch",
     "GlobalParameters",
     "GlobalParametersRef",
     "Graph",
@@ -21,6 +30,7 @@ __all__ = [
     "Placeholder",
     "Role",
     "RoleRef",
+    "batch_contexts",
     "context",
     "interface",
     "interfaces_of",

@@ -19,7 +19,7 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError
 
-__all__ = ["ActivationContext", "context", "role_pools"]
+__all__ = ["ActivationContext", "batch_contexts", "context", "role_pools"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +59,39 @@ _setup_pools: ContextVar[Mapping[str, Any] | None] = ContextVar(
 )
 
 
+#: Set by the runtime around a batched method (``batch=``): what ``_current`` would hold for
+#: each activation of the batch, in the batch's order.
+_batch: ContextVar[tuple[Any, ...] | None] = ContextVar("omniflow_batch", default=None)
+
+
 def context() -> ActivationContext:
-    """The context of the activation running in this task; raises outside of one."""
+    """The context of the activation running in this task; raises outside of one. In a
+    batched method (``batch=``), the context of the batch's first activation."""
     try:
         cur = _current.get()
     except LookupError:
         cur = None
+    return _built(cur)
+
+
+def batch_contexts() -> list[ActivationContext]:
+    """The contexts of every activation of the running batch, in the order of the method's
+    lists; ``[context()]`` in a method that is not batched.
+
+    >>> import omniflow as of
+    >>> class Vit(of.Role):
+    ...     @of.interface(inputs_or=[["image"]], outputs=["feat"], batch=of.Batch(8, 5))
+    ...     async def encode(self, image):
+    ...         calls = [ctx.call_id for ctx in of.batch_contexts()]
+    ...         return [{"feat": (im, c)} for im, c in zip(image, calls)]
+    """
+    held = _batch.get()
+    if held is None:
+        return [context()]
+    return [_built(cur) for cur in held]
+
+
+def _built(cur: Any) -> ActivationContext:
     if isinstance(cur, ActivationContext):
         return cur
     if type(cur) is tuple:  # (builder, *args): built only when a method asks

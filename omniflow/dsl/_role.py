@@ -15,7 +15,7 @@ from typing import Any, Final, TypeVar
 
 from omniflow._exceptions import GraphError
 
-__all__ = ["ALL", "LB_POLICIES", "InterfaceSpec", "Role", "interface", "interfaces_of"]
+__all__ = ["ALL", "LB_POLICIES", "Batch", "InterfaceSpec", "Role", "interface", "interfaces_of"]
 
 #: Load-balancing policies an interface may name.
 LB_POLICIES: Final = ("round_robin", "session", "broadcast")
@@ -45,6 +45,34 @@ ALL: Final = _All()
 
 
 @dataclass(frozen=True, slots=True)
+class Batch:
+    """Run a node's activations together: ``@interface(..., batch=Batch(16, 5))``.
+
+    >>> class Vit(Role):
+    ...     @interface(inputs_or=[["image"]], outputs=["feat"], batch=Batch(16, 5))
+    ...     async def encode(self, image):           # image: a list, one per activation
+    ...         return [{"feat": len(im)} for im in image]
+
+    A batch runs once it holds ``max_size`` activations, or ``max_wait_ms`` after its first
+    one arrived (docs/contract.md §1).
+    """
+
+    #: Most activations in one call of the method.
+    max_size: int
+    #: Longest time (ms) the first activation of a batch waits for others to join it.
+    max_wait_ms: float
+
+    def __post_init__(self) -> None:
+        size, wait = self.max_size, self.max_wait_ms
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise GraphError(f"Batch(max_size={size!r}): max_size must be an int >= 1")
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < 1e9:
+            raise GraphError(
+                f"Batch(max_wait_ms={wait!r}): max_wait_ms must be a number of milliseconds >= 0"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class InterfaceSpec:
     """What ``@interface`` records on a method; the parser turns it into a node."""
 
@@ -66,6 +94,8 @@ class InterfaceSpec:
     #: Per-call constants: taken once per call (the first frame) and paired with every
     #: activation of the node.
     latch: frozenset[str] = frozenset()
+    #: Run activations together (one call of the method per batch); None: one at a time.
+    batch: Batch | None = None
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -91,6 +121,7 @@ def interface(
     max_concurrency: int | None = None,
     optional: Sequence[str] = (),
     latch: Sequence[str] = (),
+    batch: Batch | None = None,
 ) -> Callable[[F], F]:
     """Declare a method of a Role as a graph node.
 
@@ -119,6 +150,10 @@ def interface(
     ...     @interface(inputs_or=[["image", "hint"]], outputs=["text"], optional=("hint",))
     ...     async def run(self, image, hint):                # hint is None when it never came
     ...         return {"text": f"{image} {hint or ''}"}
+
+    ``batch=Batch(max_size, max_wait_ms)`` runs the node's activations, across calls and
+    sessions, in batches: each field is a list (one entry per activation) and the method
+    returns a list (a dict, None or an exception instance per activation); see ``Batch``.
 
     ``collect``, ``activate_by_count`` and ``lb`` are described in the package docs.
     Structural problems are reported here; problems that need the whole graph (no producer,
@@ -156,6 +191,10 @@ def interface(
             or max_concurrency < 1
         ):
             raise GraphError(f"{where}: max_concurrency must be an int >= 1 or None")
+        if batch is not None and not isinstance(batch, Batch):
+            raise GraphError(
+                f"{where}: batch must be omniflow.Batch(max_size, max_wait_ms), got {batch!r}"
+            )
         spec = InterfaceSpec(
             inputs_or=groups,
             outputs=outs,
@@ -165,6 +204,7 @@ def interface(
             max_concurrency=max_concurrency,
             optional=frozenset(_names(optional, "optional", where)),
             latch=frozenset(_names(latch, "latch", where)),
+            batch=batch,
         )
         setattr(fn, _ATTR, spec)
         return fn

@@ -290,6 +290,14 @@ def _node_spec(gname: str, rname: str, role: object, mname: str, spec: Interface
         raise GraphError(f"node '{node}': outputs name a field twice", graph=gname, node=node)
     fn = getattr(role, mname)
     _check_signature(gname, node, fn, spec.inputs_or)
+    if spec.batch is not None and not inspect.iscoroutinefunction(fn):
+        raise GraphError(
+            f"node '{node}': a batched method (batch=...) must be a coroutine that returns a "
+            "list with one entry per activation; an async generator cannot be batched "
+            "(drop batch=, or return the frames instead of yielding them)",
+            graph=gname,
+            node=node,
+        )
     return NodeSpec(
         name=node,
         role=rname,
@@ -303,6 +311,7 @@ def _node_spec(gname: str, rname: str, role: object, mname: str, spec: Interface
         max_concurrency=spec.max_concurrency,
         optional=spec.optional,
         latch=spec.latch,
+        batch=spec.batch,
     )
 
 

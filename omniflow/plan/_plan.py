@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.dsl._graph import GlobalParameters
-from omniflow.dsl._role import _All
+from omniflow.dsl._role import Batch, _All
 
 __all__ = ["NodeSpec", "Slot", "StaticPlan"]
 
@@ -48,6 +48,8 @@ class NodeSpec:
     optional: frozenset[str] = frozenset()
     #: Per-call constants: taken once per call and paired with every activation.
     latch: frozenset[str] = frozenset()
+    #: Activations run together, one call of the method per batch (None: one at a time).
+    batch: Batch | None = None
 
     @property
     def is_join(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
 import itertools
 import logging
@@ -40,6 +41,7 @@ from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters, Graph, RoleRef
 from omniflow.plan._parser import parse_graphs
 from omniflow.plan._plan import StaticPlan
+from omniflow.runtime._batcher import BatchEntry, Batcher
 from omniflow.runtime._call import Call
 from omniflow.runtime._compiled import Compiled, compile_plan
 from omniflow.runtime._core import RUNNING, Activation, CallCore
@@ -216,11 +218,19 @@ class Runtime:
         }
         #: graph -> node -> bound method, for the coroutine methods this process runs (what
         #: ``_launch`` starts inline; remote nodes and generators take the longer way).
+        #: node -> its batcher, for the batched nodes this process runs (``batch=``): one per
+        #: node, shared by every graph and call that reaches it.
+        self._batchers: dict[str, Batcher] = {
+            n: Batcher(n, c.methods[n], s.batch, track=self._track)
+            for name, c in self._compiled.items()
+            for n, s in self.plans[name].specs.items()
+            if s.batch is not None and n not in self._remote_nodes
+        }
         self._coros: dict[str, dict[str, Any]] = {
             name: {
                 n: m
                 for n, m in c.methods.items()
-                if n not in self._remote_nodes and n not in c.generators
+                if n not in self._remote_nodes and n not in c.generators and n not in self._batchers
             }
             for name, c in self._compiled.items()
         }
@@ -309,6 +319,8 @@ class Runtime:
             raise RuntimeClosedError(f"Runtime is {self.state.value}; it can start only once")
         self._loop = asyncio.get_running_loop()
         self.state = RuntimeState.RUNNING
+        for batcher in self._batchers.values():  # batches run in the starter's context
+            batcher.base = contextvars.copy_context()
         try:
             if self.remote is not None:
                 await self.remote.start()
@@ -330,6 +342,8 @@ class Runtime:
             self._cancel_call(call)
         for call in calls:
             await call._done.wait()
+        for batcher in self._batchers.values():
+            batcher.close()
         if self.remote is not None:
             await self.remote.close()
         if self.plane is not None:
@@ -495,6 +509,12 @@ class Runtime:
         for call in self._calls.values():
             out[call.graph] = out.get(call.graph, 0) + 1
         return out
+
+    def batch_stats(self) -> dict[str, dict[str, Any]]:
+        """Per batched node that runs in this process, its batcher's ``statistics()``:
+        ``{"batches", "activations", "mean_size", "full", "removed", "queued", "running",
+        "mean_wait_s", "max_wait_s"}``."""
+        return {n: b.statistics() for n, b in sorted(self._batchers.items())}
 
     def readiness(self) -> list[str]:
         """Roles that have no live replica right now (sorted); [] when every role can serve.
@@ -817,6 +837,19 @@ class Runtime:
             return None
         kwargs = self._resolve_inputs(call, core, act) if act.refs else act.kwargs
         if kwargs is None:
+            return None
+        batcher = self._batchers.get(node)
+        if batcher is not None:  # (the batch ends it: ``on_done`` / ``on_fail``)
+            entry = BatchEntry(
+                batcher,
+                kwargs,
+                (_context_of, call, act),
+                call,
+                lambda frame: self._remote_return(call, core, act, frame),
+                lambda exc: self._ended(call, core, act, exc),
+            )
+            call._tasks[act] = entry
+            batcher.add(entry)
             return None
         method = core.c.methods[node]
         if node not in core.c.generators:

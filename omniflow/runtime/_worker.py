@@ -44,6 +44,7 @@ from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.plan._parser import parse_graphs
+from omniflow.runtime._batcher import BatchEntry, Batcher
 from omniflow.runtime._drive import drive, eager_task, generator_end
 from omniflow.runtime._forward import Route, parse_routes, wire_id
 from omniflow.runtime._launch import START_ERROR_ENV
@@ -204,6 +205,9 @@ class Worker:
         self._session_params: dict[str, SessionParams] = {}
         self._call_params: dict[str, SessionParams] = {}
         self._running: dict[_Key, Any] = {}
+        #: node -> its batcher, for the batched nodes hosted here (``batch=``): one per node,
+        #: shared by every front, call and session this replica serves.
+        self._batchers: dict[str, Batcher] = {}
         #: Cancels of forwarded runs that were not here yet: the front's cancel and the
         #: upstream worker's forward come on different connections, so the cancel can be
         #: read first. Such a run, when it comes, ends cancelled without running.
@@ -250,6 +254,8 @@ class Worker:
         self._reading = False
         #: The context each method's runs in a copy of (``run`` takes it again, before setup).
         self._ctx = contextvars.copy_context()
+        for batcher in self._batchers.values():
+            batcher.base = self._ctx
         #: Handling a batch of one run (a chain's hop): nothing to gather, so its end leaves
         #: as it is made and its forwards right after it (``_take``), here meanwhile.
         self._direct = False
@@ -296,6 +302,8 @@ class Worker:
                     self._methods[node] = getattr(role, spec.method)
                     if spec.is_generator:
                         self._generators.add(node)
+                    if spec.batch is not None and node not in self._batchers:
+                        self._batchers[node] = Batcher(node, self._methods[node], spec.batch)
         missing = [r for r in self.role_names if r not in found]
         if missing:
             raise OmniflowError(
@@ -367,6 +375,8 @@ class Worker:
                 endpoint.set_receiver(None)
             for task in list(self._running.values()):
                 task.cancel()
+            for batcher in self._batchers.values():
+                batcher.close()
             for _ in range(100):
                 if not self._running:
                     break
@@ -882,6 +892,13 @@ class Worker:
         if method is None:
             self._done(peer, c, a, OmniflowError(f"node '{node}' is not hosted by this worker"))
             return
+        key = (peer, c, a)
+        if self._batchers and node in self._batchers:
+            self._batched(key, node, kwargs, (
+                ActivationContext, graph, session, c, node, group, self._params(session, c, graph),
+                q, a, self._pool_view,
+            ))  # fmt: skip
+            return
         # Its own context, a copy of the worker's, with what of.context() builds on asking.
         ctx = self._ctx.copy()
         ctx.run(_current.set, (
@@ -890,7 +907,6 @@ class Worker:
         ))  # fmt: skip
         if tp is not None:  # traced: the method runs under its activation's span
             ctx.run(attach_traceparent, tp)
-        key = (peer, c, a)
         try:
             call = method(**kwargs)
         except Exception as exc:
@@ -1035,6 +1051,27 @@ class Worker:
             logger.warning("worker %s: a forward link failed: %s", self.replica_id, exc)
         finally:
             link.writer = None
+
+    def _batched(self, key: _Key, node: str, kwargs: dict[str, Any], cur: Any) -> None:
+        """Hand a run of a batched node to its batcher: its entry stands in ``_running``
+        where a task would (``Cancel`` cancels it) until its batch reports it."""
+        batcher = self._batchers[node]
+
+        def done(frame: Any) -> None:
+            if self._running.pop(key, None) is entry:
+                self._done(key[0], key[1], key[2], None, frame)
+
+        def failed(exc: BaseException) -> None:
+            if self._running.pop(key, None) is entry:
+                self._done(key[0], key[1], key[2], exc)
+
+        entry = BatchEntry(batcher, kwargs, cur, (key[0], key[1]), done, failed)
+        self._running[key] = entry
+        batcher.add(entry)
+
+    def batch_stats(self) -> dict[str, dict[str, Any]]:
+        """Per batched node hosted here, its batcher's ``statistics()``."""
+        return {n: b.statistics() for n, b in sorted(self._batchers.items())}
 
     def _finished(self, key: _Key, task: asyncio.Task[Any]) -> None:
         """A coroutine method's task ended: report its frame, or what it raised."""

@@ -19,6 +19,14 @@ which the hot path updates without a library call), and ``generate_latest`` writ
     omniflow_calls_started_total                    counter
     omniflow_calls_finished_total{status}           counter   ok | error | cancelled
     omniflow_frames_total{graph,field}              counter   frames the runtime delivered
+    omniflow_batches_total{node}                    counter   batches run by each batched node
+    omniflow_batch_activations_total{node}          counter   activations run in those batches
+    omniflow_batch_removed_total{node}              counter   activations cancelled while queued
+    omniflow_batch_mean_size{node}                  gauge     activations per batch (mean)
+    omniflow_batch_queued{node}, _running{node}     gauge     waiting activations, running batches
+    omniflow_batch_wait_seconds_mean{node}, _max    gauge     how long a batch's first activation
+                                                              waited (from rt.batch_stats(): the
+                                                              nodes this process runs)
     omniflow_open_buckets                           gauge     from rt.stats()
     omniflow_inflight_activations                   gauge     from rt.stats()
     omniflow_active_calls                           gauge     from rt.stats()
@@ -298,6 +306,29 @@ class ServeCollector(Collector):
         yield _family("gauge", "omniflow_sessions", "Sessions whose state the runtime holds.",
                       [({}, len(rt.sessions()))])  # fmt: skip
         yield from _wire_families(rt.wire_stats())
+        yield from _batch_families(rt.batch_stats())
+
+
+def _batch_families(batches: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The batchers of the nodes run in this process (``batch=``), one series per node."""
+    if not batches:
+        return
+    items = sorted(batches.items())
+    for key, kind, name, help_ in (
+        ("batches", "counter", "omniflow_batches_total", "Batches run, per batched node."),
+        ("activations", "counter", "omniflow_batch_activations_total",
+         "Activations run in batches, per batched node."),
+        ("removed", "counter", "omniflow_batch_removed_total",
+         "Activations that left a batch before it ran (cancelled calls)."),
+        ("mean_size", "gauge", "omniflow_batch_mean_size", "Mean activations per batch."),
+        ("queued", "gauge", "omniflow_batch_queued", "Activations waiting for their batch."),
+        ("running", "gauge", "omniflow_batch_running", "Batches whose method runs now."),
+        ("mean_wait_s", "gauge", "omniflow_batch_wait_seconds_mean",
+         "Mean time a batch's first activation waited for the batch to run."),
+        ("max_wait_s", "gauge", "omniflow_batch_wait_seconds_max",
+         "Longest time a batch's first activation waited for the batch to run."),
+    ):  # fmt: skip
+        yield _family(kind, name, help_, ((dict(node=n), s[key]) for n, s in items))
 
 
 def _wire_families(wire: dict[str, Any]) -> Iterator[Metric]:

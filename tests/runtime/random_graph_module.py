@@ -63,6 +63,8 @@ class NodeModel:
     #: Loop back edge: (field, node it re-enters, bound): the field is produced only while
     #: the re-entered node occurs fewer than ``bound`` times in the frame's lineage.
     back: tuple[str, str, int] | None = None
+    #: k >= 1: a coroutine run in batches of up to k activations (``of.Batch(k, 1)``); 0: not.
+    batch: int = 0
 
     @property
     def node(self) -> str:
@@ -358,6 +360,35 @@ def make_method(world: World, m: NodeModel) -> Callable[..., Any]:
                 leave(key, kw)
 
         fn = coro
+        if m.batch:
+
+            async def batched(self: Any, **lists: Any) -> Any:
+                # One activation per entry; its fields are its OR group's (the lists hold
+                # None where another group's activation has no such field).
+                kws = [
+                    {f: lists[f][i] for f in m.groups[ctx.or_group]}
+                    for i, ctx in enumerate(of.batch_contexts())
+                ]
+                results: list[Any] = []
+                entered = []
+                for kw in kws:
+                    try:
+                        entered.append((enter(kw), kw))
+                        results.append(_PENDING)
+                    except RuleViolation as exc:  # that activation fails, the others go on
+                        results.append(exc)
+                try:
+                    await world.jitter()
+                    for i, kw in enumerate(kws):
+                        if results[i] is _PENDING:
+                            frames = world.behave(node, kw)
+                            results[i] = frames[0] if frames else None
+                finally:
+                    for key, kw in entered:
+                        leave(key, kw)
+                return results
+
+            fn = batched
     fn.__name__ = fn.__qualname__ = "m"
     return of.interface(
         inputs_or=m.groups,
@@ -368,7 +399,11 @@ def make_method(world: World, m: NodeModel) -> Callable[..., Any]:
         max_concurrency=m.max_concurrency,
         optional=m.optional,
         latch=m.latch,
+        batch=of.Batch(m.batch, 1) if m.batch else None,
     )(fn)
+
+
+_PENDING = object()
 
 
 def build(world: World) -> of.Graph:
