@@ -113,6 +113,8 @@ class Replica:
     late: list[tuple[Message | None, list[Any], list[Any]]] | None = None
     #: Loop turns in a row that what it sent waited (``Fleet._later``).
     waited: int = 0
+    #: Its batchers' ``statistics()`` by node, as its last heartbeat said (None: none).
+    batches: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.life = Lifecycle(self.replica_id)
@@ -510,6 +512,8 @@ class Fleet:
             if rep.probation is not None:  # went missing while it connected
                 self.event(rep, ReplicaEvent.MISSING, "gone from the registry")
             rep.ready.set_result(None)
+        elif type(msg) is Heartbeat and msg.st is not None:
+            rep.batches = msg.st
         # (a Heartbeat: last_seen is updated for every authentic message)
         return None
 

@@ -516,6 +516,19 @@ class Runtime:
         "mean_wait_s", "max_wait_s"}``."""
         return {n: b.statistics() for n, b in sorted(self._batchers.items())}
 
+    def replica_batch_stats(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """``batch_stats()`` of this process (``"<front>"``) and of each live worker replica
+        with batched nodes, as its last heartbeat said, by replica id."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        mine = self.batch_stats()
+        if mine:
+            out["<front>"] = mine
+        if self.remote is not None:
+            for rep in self.remote.fleet.replicas.values():
+                if rep.alive and rep.batches:
+                    out[rep.replica_id] = rep.batches
+        return out
+
     def readiness(self) -> list[str]:
         """Roles that have no live replica right now (sorted); [] when every role can serve.
 

@@ -566,10 +566,12 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         """Tell every front that said hello that this worker lives, as often as it asked."""
-        beat = encode_msg(Heartbeat())
+        plain = encode_msg(Heartbeat())
         while True:
             interval = min(self._intervals.values(), default=self.heartbeat_interval)
             await asyncio.sleep(max(0.01, interval))
+            # A worker with batched nodes says how its batchers do (the front's /metrics).
+            beat = encode_msg(Heartbeat(self.batch_stats())) if self._batchers else plain
             for peer in self._peers:
                 self._out.put_nowait((peer, beat))
 

@@ -19,7 +19,7 @@ which the hot path updates without a library call), and ``generate_latest`` writ
     omniflow_calls_started_total                    counter
     omniflow_calls_finished_total{status}           counter   ok | error | cancelled
     omniflow_frames_total{graph,field}              counter   frames the runtime delivered
-    omniflow_batches_total{node}                    counter   batches run by each batched node
+    omniflow_batches_total{node,replica}            counter   batches run by each batched node
     omniflow_batch_activations_total{node}          counter   activations run in those batches
     omniflow_batch_removed_total{node}              counter   activations cancelled while queued
     omniflow_batch_mean_size{node}                  gauge     activations per batch (mean)
@@ -306,14 +306,15 @@ class ServeCollector(Collector):
         yield _family("gauge", "omniflow_sessions", "Sessions whose state the runtime holds.",
                       [({}, len(rt.sessions()))])  # fmt: skip
         yield from _wire_families(rt.wire_stats())
-        yield from _batch_families(rt.batch_stats())
+        yield from _batch_families(rt.replica_batch_stats())
 
 
-def _batch_families(batches: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-    """The batchers of the nodes run in this process (``batch=``), one series per node."""
-    if not batches:
+def _batch_families(by_replica: dict[str, dict[str, dict[str, Any]]]) -> Iterator[Metric]:
+    """The batchers of batched nodes (``batch=``), one series per node and replica: this
+    process's (``"<front>"``) and each worker's, as its last heartbeat said."""
+    if not by_replica:
         return
-    items = sorted(batches.items())
+    items = sorted(((n, r), st) for r, nodes in by_replica.items() for n, st in nodes.items())
     for key, kind, name, help_ in (
         ("batches", "counter", "omniflow_batches_total", "Batches run, per batched node."),
         ("activations", "counter", "omniflow_batch_activations_total",
@@ -328,7 +329,7 @@ def _batch_families(batches: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         ("max_wait_s", "gauge", "omniflow_batch_wait_seconds_max",
          "Longest time a batch's first activation waited for the batch to run."),
     ):  # fmt: skip
-        yield _family(kind, name, help_, ((dict(node=n), s[key]) for n, s in items))
+        yield _family(kind, name, help_, ((dict(node=n, replica=r), s[key]) for (n, r), s in items))
 
 
 def _wire_families(wire: dict[str, Any]) -> Iterator[Metric]:

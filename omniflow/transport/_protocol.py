@@ -6,7 +6,7 @@
             off, th, conn, fw, tp)             Frames (c, a, fs, xs)       (several, in order)
     Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
                                                Dones  (cs, as_, fs, xs)    (good ends, together)
-    Release (refs)   EndCall (c, ack)          Heartbeat ()                (every interval)
+    Release (refs)   EndCall (c, ack)          Heartbeat (st)              (every interval)
                                                CallEnded (c)  (EndCall's ack: released)
     SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work)
     StatsRequest (r)   CloseSession (s)
@@ -315,7 +315,8 @@ class Bye(NamedTuple):
 
 
 class Heartbeat(NamedTuple):
-    """No fields."""
+    #: The worker's batchers' ``statistics()`` by node, when it runs batched nodes (None: none).
+    st: dict[str, Any] | None = None
 
 
 class Pull(NamedTuple):
@@ -406,7 +407,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     CloseSession: ("close_session", ((str,),)),
     Stop: ("stop", ()),
     Bye: ("bye", ()),
-    Heartbeat: ("heartbeat", ()),
+    Heartbeat: ("heartbeat", ((dict, _N),)),
     Pull: ("pull", ((int,), _ANY)),
     Pulled: ("pulled", ((int,), _ANY)),
     PullFailed: ("pull_failed", ((int,), (str,))),

@@ -430,10 +430,34 @@ async def test_batch_statistics_in_metrics() -> None:
         for c in calls:
             await c.wait()
         text = render(rt, HttpMetrics(), inflight=0, draining=False)
-    assert 'omniflow_batches_total{node="bt_enc.enc"} 1.0' in text
-    assert 'omniflow_batch_activations_total{node="bt_enc.enc"} 4.0' in text
-    assert 'omniflow_batch_mean_size{node="bt_enc.enc"} 4.0' in text
+    front = 'node="bt_enc.enc",replica="<front>"'
+    assert f"omniflow_batches_total{{{front}}} 1.0" in text
+    assert f"omniflow_batch_activations_total{{{front}}} 4.0" in text
+    assert f"omniflow_batch_mean_size{{{front}}} 4.0" in text
     assert "omniflow_batch_wait_seconds_max" in text
+
+
+@pytest.mark.slow
+async def test_a_workers_batchers_reach_the_fronts_metrics_with_its_heartbeat() -> None:
+    from omniflow.serve._metrics import HttpMetrics, render
+
+    async with of.Runtime(bg.lists, placement="process", heartbeat_interval=0.05) as rt:
+        calls = [rt.call("bt_lists", {"x": i}) for i in range(4)]
+        for c in calls:
+            await c.wait()
+
+        def said() -> bool:
+            per = rt.replica_batch_stats()
+            return any(
+                n == "bt_enc.enc" and st["activations"] == 4
+                for r, nodes in per.items()
+                if r != "<front>"
+                for n, st in nodes.items()
+            )
+
+        await eventually(said, "a heartbeat with the worker's batch statistics")
+        text = render(rt, HttpMetrics(), inflight=0, draining=False)
+    assert 'omniflow_batch_activations_total{node="bt_enc.enc",replica="' in text
 
 
 # ------------------------------------------------------------------ the property
