@@ -9,11 +9,13 @@ passes on the chain (``PublishedPrefix.as_dict()``: session, page hashes, tokens
 ``dit.denoise`` hands that chain to ``DiTEngine``, which matches it in the same pool (the pages
 are pinned, not copied) and denoises ``STEPS`` Euler steps whose attention reads those pages in
 place, batching the steps of concurrent calls; a ``preview`` PNG streams every ``EVERY`` steps.
-``vae.decode`` turns the final latents into the ``png`` bytes. Both engines take a seat at one
-``KvPoolBarrier`` (``barrier.member(role, pages)``): each proposes after loading its weights and
-the shared pool is sized by the smaller proposal once both did. Without the environment variables
-the roles make tiny random-init checkpoints (the picture is noise); with real ones the same code
-runs.
+``vae.decode`` turns the final latents into the ``image`` (an ``of.Image``, resized to ``size``
+"WIDTHxHEIGHT" when one is given; None or "auto": the decoder's own size). Both engines take a
+seat at one ``KvPoolBarrier`` (``barrier.member(role, pages)``): each proposes after loading
+its weights and the shared pool is sized by the smaller proposal once both did. Without the
+environment variables the roles make tiny random-init checkpoints (the picture is noise); with
+real ones the same code runs. ``omniflow serve graphs/t2i_unified.py`` answers
+``/v1/images/generations`` with it (Placeholders ``prompt`` and ``size``; docs/contract.md §9).
 """
 
 from __future__ import annotations
@@ -166,31 +168,63 @@ def decode_batch(latents: list[Any], patch: int = 8) -> list[Any]:
     return list((img * 255).round().to(torch.uint8).unbind(0))
 
 
+def parse_size(size: Any) -> tuple[int, int] | None:
+    """``"WIDTHxHEIGHT"`` -> (width, height); None or ``"auto"`` -> None (the decoder's size)."""
+    if size is None or size == "auto":
+        return None
+    w, _, h = size.partition("x") if isinstance(size, str) else ("", "", "")
+    if not (w.isdigit() and h.isdigit() and 1 <= int(w) <= 4096 and 1 <= int(h) <= 4096):
+        raise of.InputError(
+            f"size must be 'WIDTHxHEIGHT' with sides in 1..4096 (like '256x256'), got {size!r}",
+            field="size",
+        )
+    return int(w), int(h)
+
+
+def sized(pixels: Any, size: Any) -> Any:
+    """The decoded picture as an ``of.Image`` of the requested size (an InputError instance
+    for a bad size: it fails that activation only)."""
+    try:
+        wh = parse_size(size)
+    except of.InputError as exc:
+        return exc
+    image = of.Image(pixels.numpy())
+    if wh is not None and wh != (image.width, image.height):
+        import numpy as np
+        from PIL import Image as PILImage
+
+        image = of.Image(np.asarray(image.to_pil().resize(wh, PILImage.Resampling.BICUBIC)))
+    return {"image": image}
+
+
 class Vae(of.Role):
     # Batched across calls (docs/api.md, "Batching"): concurrent calls' latents decode in one
     # matmul; a call alone waits at most 2 ms for company.
-    @of.interface(inputs_or=[["latents"]], outputs=["png"], batch=of.Batch(8, 2))
-    async def decode(self, latents: list[Any]) -> list[dict[str, Any]]:
-        return [{"png": png_bytes(img)} for img in decode_batch(latents)]
+    @of.interface(
+        inputs_or=[["latents", "size"]], outputs=["image"], latch=["size"],
+        batch=of.Batch(8, 2),
+    )  # fmt: skip
+    async def decode(self, latents: list[Any], size: list[Any]) -> list[Any]:
+        return [sized(px, sz) for px, sz in zip(decode_batch(latents), size, strict=True)]
 
 
 graph = of.Graph(
     "t2i_unified",
     roles={"llm": Llm(), "dit": Dit(), "vae": Vae()},
-    inputs=[of.Placeholder("prompt")],
-    outputs=["preview", "png"],
+    inputs=[of.Placeholder("prompt"), of.Placeholder("size")],
+    outputs=["preview", "image"],
 )
 
 
 async def _main(prompt: str, out: str) -> None:
     async with of.Runtime(graph) as rt:
         previews = 0
-        call = rt.call("t2i_unified", {"prompt": prompt})
+        call = rt.call("t2i_unified", {"prompt": prompt, "size": None})
         async for frame in call:
             if frame.field == "preview":
                 previews += 1
-            elif frame.field == "png":
-                Path(out).write_bytes(frame.value)
+            elif frame.field == "image":
+                Path(out).write_bytes(frame.value.to_png())
         if call.status != "ok":
             raise SystemExit(f"t2i failed: {call.errors}")
     print(f"wrote {out} ({previews} preview frames)")

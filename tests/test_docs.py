@@ -50,6 +50,7 @@ SHELL_OUTPUT = {
     "/v1/graphs/fig3/call": ['{"done":true,"status":"ok"'],
     'graphs/t2i_unified.py "a cat on a mat"': ["wrote t2i.png (1 preview frames)"],
     "/v1/chat/completions": ['"object":"chat.completion"', '"finish_reason":'],
+    "client.realtime.connect": ["realtime answer: ", " s of audio"],
 }
 #: The graph file each deploy file (yaml block) is written for.
 YAML_GRAPH = {"deploy.yaml": "graphs/t2i_unified.py"}

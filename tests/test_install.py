@@ -70,7 +70,7 @@ CASES = {
     "fig3.py": [{"request": {"parts": [{"text": "a cat"}, {"image": [1, 2]}]}}],
     "agent_loop.py": [{"prompt": "2 + 3 * 4"}],
     "t2i.py": [{"request": {"prompt": "a red cat", "images": [[1, 2], [0]]}}],
-    "t2i_unified.py": [{"prompt": "a cat on a mat"}],
+    "t2i_unified.py": [{"prompt": "a cat on a mat", "size": "40x24"}],
     # two turns of one session: the second reuses the pages of the first, image rows included
     "omni_chat.py": [
         {"messages": TURN1, **SAMPLING},
@@ -86,7 +86,8 @@ async def main(names):
         async with of.Runtime(graph) as rt:
             got[name] = [await rt.run(graph.name, inputs, session="s") for inputs in CASES[name]]
     leaked = [m for m in ("transformers",) if m in sys.modules]
-    sized = lambda o: len(o) if isinstance(o, bytes) else str(o)  # PNGs: their size
+    sized = lambda o: len(o) if isinstance(o, bytes) else [o.width, o.height] if isinstance(
+        o, of.Image) else str(o)  # PNGs: their size; images: theirs
     print(json.dumps({"outputs": got, "leaked": leaked}, default=sized))
 
 asyncio.run(main(sys.argv[1:]))
@@ -173,7 +174,7 @@ def test_every_example_graph_runs_with_only_the_compute_extra(tmp_path: Path) ->
     assert out["agent_loop.py"][0]["answer"] == [20]
     assert out["t2i.py"][0]["picture"] == [{"n_cond": 2, "pixels": [130, 150, 150]}]
     assert out["chat.py"][0]["text"]
-    assert out["t2i_unified.py"][0]["png"][0] > 0
+    assert out["t2i_unified.py"][0]["image"] == [[40, 24]]
     if speaks:
         first, second = out["omni_chat.py"]
         assert first["usage"][0]["completion_tokens"] > 0

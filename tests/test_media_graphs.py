@@ -57,7 +57,9 @@ async def test_read_aloud_reads_a_picture_and_speaks_text() -> None:
     (graph,) = of.load_graphs(GRAPHS / "read_aloud.py")
     unset = {p.name: None for p in graph.inputs}
     async with of.Runtime(graph) as rt:
-        out = await rt.run("read_aloud", {**unset, "image": stop_here()})
+        picture = [{"type": "image_url", "image_url": stop_here()}]
+        messages = [{"role": "user", "content": picture}]
+        out = await rt.run("read_aloud", {**unset, "messages": messages})
         assert "STOP" in out["text"][0] and "HERE" in out["text"][0]
         assert len(out["speech"]) == 1 and out["speech"][0].duration > 0.5
         heard = await of.roles.Asr().transcribe_audio(out["speech"][0])

@@ -23,11 +23,12 @@ def test_t2i_unified_writes_a_valid_png() -> None:
             assert isinstance(llm, of.TorchEngine) and isinstance(dit, of.DiTEngine)
             fields, pngs = [], []
             for _ in range(2):  # a second call reuses the pool and leaks no pins
-                call = rt.call("t2i_unified", {"prompt": "a red cube on a blue table"})
+                inputs = {"prompt": "a red cube on a blue table", "size": None}
+                call = rt.call("t2i_unified", inputs)
                 async for frame in call:
                     fields.append(frame.field)
-                    if frame.field == "png":
-                        pngs.append(frame.value)
+                    if frame.field == "image":
+                        pngs.append(frame.value.to_png())
                 assert call.status == "ok", call.errors
             pool = mod._SHARED["barrier"].pool
             assert llm.kv_pool is pool and dit.kv_pool is pool  # one co-located pool
@@ -37,7 +38,7 @@ def test_t2i_unified_writes_a_valid_png() -> None:
         return fields, pngs, stats
 
     fields, pngs, stats = asyncio.run(go())
-    assert fields == ["preview", "png"] * 2
+    assert fields == ["preview", "image"] * 2
     assert stats["pinned"] == 0
     assert stats["bytes_moved"] == 0  # the DiT read the LLM's pages where they were
     assert pngs[0] == pngs[1]  # same prompt, same seed: the same picture

@@ -8,7 +8,9 @@ await asr.setup(); await asr.transcribe_audio(of.Audio.from_bytes(wav))  # 'hell
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from omniflow._exceptions import MediaError
@@ -27,12 +29,22 @@ class Asr(Role):
     Input audio is resampled to 16 kHz mono (low-passed, then interpolated) before decoding.
     ``language`` and ``prompt`` (the transcriptions endpoint's optional fields) are accepted;
     only ``en``/None is served (the one model the wheel carries).
+
+    The last ``cache_size`` transcripts are kept by the audio's content: pocketsphinx's
+    decoder adapts to what it heard before, so the same clip decoded again later can come out
+    differently. A conversation re-sends its earlier turns with every request; their text must
+    stay what it was (or the LLM's cached prefix no longer matches), and need not be decoded
+    again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cache_size: int = 256) -> None:
         self._decoder: Any = None
         #: A pocketsphinx Decoder decodes one utterance at a time.
         self._lock = threading.Lock()
+        #: Most transcripts kept.
+        self.cache_size = cache_size
+        #: digest of the 16 kHz PCM -> transcript, least recently used first.
+        self._heard: OrderedDict[bytes, str] = OrderedDict()
 
     async def setup(self) -> None:
         try:
@@ -61,7 +73,15 @@ class Asr(Role):
         if self._decoder is None:
             await self.setup()
         pcm = audio.resample(RATE).pcm16().astype("<i2", copy=False).tobytes()
-        return await asyncio.to_thread(self._decode, pcm)
+        key = hashlib.blake2b(pcm, digest_size=16).digest()
+        text = self._heard.get(key)
+        if text is None:
+            text = await asyncio.to_thread(self._decode, pcm)
+            self._heard[key] = text
+            while len(self._heard) > self.cache_size:
+                self._heard.popitem(last=False)
+        self._heard.move_to_end(key)
+        return text
 
     @interface(inputs_or=[["audio", "language", "prompt"]], outputs=["text"])
     async def transcribe(

@@ -36,6 +36,9 @@ VOICES = {
     "shimmer": "en-us+f4",
     "verse": "en-us+m7",
 }
+#: Control characters: espeak-ng stops reading at a NUL and may spell the others; spoken as
+#: spaces (an LLM's text can hold any of them).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 #: An espeak-ng voice given by name (``en-us``, ``en-gb+klatt2``): letters, digits, - and +.
 _ESPEAK_VOICE = re.compile(r"[a-z]{2,3}(-[a-z0-9]+)*(\+[a-z0-9]+)?")
 
@@ -85,7 +88,7 @@ class Tts(Role):
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        wav, err = await proc.communicate(text.encode("utf-8", "replace"))
+        wav, err = await proc.communicate(_CONTROL.sub(" ", text).encode("utf-8", "replace"))
         if proc.returncode != 0:
             raise RuntimeError(f"tts: espeak-ng failed ({proc.returncode}): {err.decode()[:200]}")
         return await asyncio.to_thread(Audio.from_bytes, wav)

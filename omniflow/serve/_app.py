@@ -31,7 +31,8 @@ unknown graph or route, 408 a body slower than ``body_timeout``, 413 a body over
 ``max_body_bytes``, 422 a missing or unknown input, 429 more than ``max_inflight`` calls (with
 ``Retry-After``; admission happens before the body is read), 503 shutting down. Values in
 ``inputs`` and in frames use the JSON encoding of ``_codec`` (``{"$bytes": ...}``,
-``{"$tensor": ...}``).
+``{"$tensor": ...}``) and ``_media_json`` (``{"$audio": ...}``, ``{"$image": ...}``; a malformed
+one is a 400 naming its input path).
 
 The app's lifespan starts the Runtime (role setup) and, at shutdown, drains: no new calls
 (503), in-flight calls get ``drain_timeout`` seconds, the rest are cancelled, then the Runtime
@@ -56,7 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from omniflow._exceptions import InputError, OmniflowError
+from omniflow._exceptions import InputError, MediaError, OmniflowError
 from omniflow._loader import load_graphs
 from omniflow.dsl import Graph
 from omniflow.runtime import Runtime
@@ -64,6 +65,7 @@ from omniflow.serve import _live, _media_routes, _openai, _realtime, _speech
 from omniflow.serve._codec import ValueDecodingError, loads
 from omniflow.serve._guard import Guard
 from omniflow.serve._limits import LOOPBACK_HOSTS, Limits, bad_session
+from omniflow.serve._media_json import decode_tree
 from omniflow.serve._metrics import CONTENT_TYPE, render
 from omniflow.serve._state import ServeState
 from omniflow.serve._stream import CallResponse, JsonCallResponse, NdjsonCallResponse
@@ -144,6 +146,10 @@ async def _start_call(request: Request, state: ServeState, name: str) -> Respons
     inputs = body.get("inputs")
     if not isinstance(inputs, dict):
         return error(400, f"'inputs' must be an object of Placeholder name -> value: {example}")
+    try:
+        inputs = decode_tree(inputs)
+    except MediaError as exc:  # names the input path: inputs.clip.$audio.wav_b64
+        return error(400, str(exc))
     session = body.get("session")
     problem = bad_session(session)
     if problem is not None:

@@ -7,7 +7,9 @@ b'{"image":{"$bytes":"iVBORw=="}}'
 
 JSON types (str, int, float, bool, None, list, dict with str keys; tuples become lists) travel
 as themselves. Three more kinds of value travel as a one-key object, in both directions (frame
-values the server sends, and call inputs it receives):
+values the server sends, and call inputs it receives), and so do media values (``of.Audio`` as
+``{"$audio": ...}``, ``of.Image`` as ``{"$image": ...}``: ``_media_json``, whose ``encode``
+:func:`dumps` calls and whose ``decode_tree`` the call endpoint runs on a request's inputs):
 
     ======================  ===============================================================
     Python value            JSON
@@ -44,6 +46,7 @@ import sys
 from typing import Any
 
 from omniflow._exceptions import OmniflowError
+from omniflow.serve import _media_json
 
 __all__ = ["ValueDecodingError", "ValueEncodingError", "dumps", "loads"]
 
@@ -104,9 +107,12 @@ def _default(o: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(o, torch.Tensor):
         return _torch_tensor(o)
+    tagged = _media_json.encode(o)
+    if tagged is not None:
+        return tagged
     raise ValueEncodingError(
         f"a value of type '{type(o).__module__}.{type(o).__qualname__}' has no JSON form; "
-        "produce JSON types, bytes, or a numpy array / torch tensor instead"
+        "produce JSON types, bytes, a numpy array / torch tensor, or an of.Audio / of.Image"
     )
 
 

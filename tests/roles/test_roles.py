@@ -58,6 +58,39 @@ async def test_tts_speaks_sentences_as_audio_frames() -> None:
         await tts.synthesize("hi", None, 9.0)
 
 
+async def test_tts_speaks_past_control_characters() -> None:
+    # espeak-ng stops reading at a NUL: the words after it were silently dropped
+    tts = of.roles.Tts()
+    both = await tts.synthesize("hello there\x00 how are you today")
+    first = await tts.synthesize("hello there")
+    assert both.duration > first.duration + 0.5
+
+
+@pytest.mark.slow
+async def test_asr_hears_a_clip_again_as_it_did_the_first_time() -> None:
+    """pocketsphinx adapts to what it decoded before; a clip sent again (a conversation's
+    earlier turn) keeps its first transcript, from the cache, bounded by cache_size."""
+    tts, asr = of.roles.Tts(), of.roles.Asr(cache_size=2)
+    clips = [await tts.synthesize(s) for s in SENTENCES[:3]]
+    first = await asr.transcribe_audio(clips[0])
+    asr._decode = None  # type: ignore[assignment,method-assign]  # a hit decodes nothing
+    assert await asr.transcribe_audio(clips[0].resample(16000)) == first
+    del asr._decode
+    for clip in clips[1:]:
+        await asr.transcribe_audio(clip)
+    assert len(asr._heard) == 2
+
+
+def test_sentences_cut_a_run_on_sentence() -> None:
+    split = of.roles.Sentences(max_chars=20)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    out = [s for w in words for s in split.feed(w + " ")] + split.flush()
+    assert " ".join(out) == " ".join(words)
+    assert all(len(s) <= 20 for s in out) and len(out) >= 3
+    assert of.roles.Sentences(max_chars=8).feed("x" * 20) == ["x" * 8, "x" * 8]
+    assert of.roles.Sentences().feed("Short. Still pending") == ["Short."]
+
+
 async def test_asr_takes_any_rate_and_bad_input_names_the_field() -> None:
     asr = of.roles.Asr()
     await asr.setup()

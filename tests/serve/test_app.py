@@ -214,6 +214,86 @@ async def test_bytes_and_tensors_both_directions(inproc: Factory) -> None:
     assert (await inspect({"$bytes": raw, "other": 1}))["type"] == "dict"  # not a marker
 
 
+MEDIA_GRAPHS = str(Path(__file__).with_name("_media_graphs.py"))
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_media_both_directions(inproc: Factory, stream: bool) -> None:
+    """docs/api.md "Media values": ``$audio`` / ``$image`` in inputs and in frames sent back."""
+    from ._media_graphs import word_audio
+
+    s: InProcess = await inproc(MEDIA_GRAPHS)
+    c = s.client
+
+    async def values(graph: str, inputs: dict[str, Any], field: str) -> list[Any]:
+        r = await c.post(f"/v1/graphs/{graph}/call", json={"inputs": inputs, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            lines = ndjson(r.text)
+            assert lines[-1]["status"] == "ok", lines[-1]
+            return [ln["value"] for ln in lines[:-1] if ln["field"] == field]
+        body = r.json()
+        assert body["status"] == "ok", body
+        out: list[Any] = body["outputs"][field]
+        return out
+
+    # out: one tagged WAV per of.Audio frame, float samples written as 16-bit
+    none = {"voice": None, "speed": None, "instructions": None}
+    got = await values("speaker", {"input": "ab cde", **none}, "audio")
+    assert [sorted(v) for v in got] == [["$audio"], ["$audio"]]
+    assert [of.Audio.from_bytes(base64.b64decode(v["$audio"]["wav_b64"])) for v in got] == [
+        word_audio("ab", 22050),
+        word_audio("cde", 22050),
+    ]
+    got = await values("speaker", {"input": "ab", **none, "voice": "float"}, "audio")
+    back = of.Audio.from_bytes(base64.b64decode(got[0]["$audio"]["wav_b64"]))
+    assert back == of.Audio(word_audio("ab", 22050, "float32").pcm16(), sample_rate=22050)
+    # ... and a tagged PNG per of.Image frame
+    got = await values("painter", {"prompt": "red", "size": "5x3", "n": 2}, "image")
+    pics = [of.Image.from_bytes(base64.b64decode(v["$image"]["png_b64"])) for v in got]
+    assert [(p.width, p.height) for p in pics] == [(5, 3), (5, 3)]
+    assert pics[0].pixels[0, 0].tolist() == [120, 128, 0]
+    # in: media anywhere in the inputs reach the graph as of.Audio / of.Image
+    pic = of.Image(np.zeros((2, 3, 3), dtype=np.uint8))
+    pcm = np.array([1, -2, 3, 4], dtype="<i2").tobytes()
+    audio = {"$audio": {"pcm16_b64": _b64(pcm), "sample_rate": 8000}}
+    content = [
+        {"type": "input_audio", "input_audio": audio},
+        {"type": "image_url", "image_url": {"$image": {"png_b64": _b64(pic.to_png())}}},
+    ]
+    inputs = {"messages": [{"role": "user", "content": content}], "modalities": None,
+              "voice": None, "audio_format": None}  # fmt: skip
+    assert await values("talker", inputs, "text") == ["heard", " 4", " samples", " at",
+                                                      " 8000", " Hz", " saw", " 3x2"]  # fmt: skip
+    clip = word_audio("hello", 16000)
+    inputs = {"audio": {"$audio": {"wav_b64": _b64(clip.to_wav())}}, "language": "en",
+              "prompt": None}  # fmt: skip
+    assert await values("asr", inputs, "text") == [f"{len(clip)} samples at 16000 Hz, en, None"]
+
+
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ({"$audio": {"wav_b64": "RIFF"}}, "inputs.audio.$audio.wav_b64"),  # truncated WAV
+        ({"$audio": {"wav_b64": "not base64!"}}, "inputs.audio.$audio.wav_b64: not valid base64"),
+        ({"$image": {"png_b64": _b64(b"GIF89a not a png")}}, "inputs.audio.$image.png_b64"),
+        ({"$audio": {"mp3_b64": "AAAA"}}, "inputs.audio.$audio: expected an object with one of"),
+    ],
+)
+async def test_bad_media_input_is_400_naming_the_path(
+    inproc: Factory, value: dict[str, Any], path: str
+) -> None:
+    s: InProcess = await inproc(MEDIA_GRAPHS)
+    inputs = {"audio": value, "language": None, "prompt": None}
+    r = await s.client.post("/v1/graphs/asr/call", json={"inputs": inputs})
+    assert r.status_code == 400, r.text
+    assert path in r.json()["error"]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_value_without_json_form_is_an_error_entry(inproc: Factory, stream: bool) -> None:
     s: InProcess = await inproc()
