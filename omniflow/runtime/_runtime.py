@@ -287,18 +287,30 @@ class Runtime:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _front_colocation(self) -> Any:
+        """The co-location facts of the roles this front hosts next to its workers (they fill
+        slot 0 of the deployment on this node)."""
+        from omniflow.dsl._context import Colocation
+        from omniflow.runtime._launch import colocation_group
+
+        assert self.remote is not None
+        local = frozenset(self._role_names[id(r)] for r in self._roles)
+        return Colocation(local, colocation_group(self.remote.fleet.token, "slot0"))
+
     async def start(self) -> None:
         if self.state is not RuntimeState.NEW:
             raise RuntimeClosedError(f"Runtime is {self.state.value}; it can start only once")
         self._loop = asyncio.get_running_loop()
         self.state = RuntimeState.RUNNING
         try:
+            facts = None
             if self.remote is not None:
                 await self.remote.start()
+                facts = self._front_colocation()
             for role in self._roles:
                 setup = getattr(role, "setup", None)
                 if setup is not None:
-                    await setup_role(self._role_names[id(role)], setup)
+                    await setup_role(self._role_names[id(role)], setup, facts)
                 self._set_up.append(role)
         except BaseException:
             await self.close()
@@ -1082,20 +1094,24 @@ async def _release(pools: list[Any], call_id: str) -> None:
             logger.exception("releasing call %s's pages in pool %r failed", call_id, pool.name)
 
 
-async def setup_role(name: str, setup: Any) -> None:
+async def setup_role(name: str, setup: Any, colocation: Any = None) -> None:
     """Await a role's ``setup()``; a failure says which role (both placements use this).
 
     The role's ``pools`` are reachable while it runs (``omniflow.dsl._context.role_pools``), so
-    an engine built with ``pool="name"`` and started here finds the graph's pool."""
-    from omniflow.dsl._context import _setup_pools
+    an engine built with ``pool="name"`` and started here finds the graph's pool; so are this
+    process's co-location facts (``colocation``: which roles it hosts, its group on the node),
+    so a co-located pool's barrier knows which partners are in other processes."""
+    from omniflow.dsl._context import _colocation, _setup_pools
 
     pools = getattr(getattr(setup, "__self__", None), "pools", None)
     token = _setup_pools.set(pools if pools is not None else MappingProxyType({}))
+    ctoken = _colocation.set(colocation)
     try:
         await setup()
     except Exception as exc:
         raise OmniflowError(f"role '{name}' setup() failed: {type(exc).__name__}: {exc}") from exc
     finally:
+        _colocation.reset(ctoken)
         _setup_pools.reset(token)
 
 
