@@ -54,6 +54,7 @@ class EngineOptions(TypedDict, total=False):
     dtype: str | torch.dtype
     page_tokens: int
     pool_pages: int
+    share_weights: bool
 
 
 #: architecture name (config.json "architectures") -> the engine class that runs it
@@ -166,8 +167,12 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         dtype: str | torch.dtype = "auto",
         page_tokens: int = 16,
         pool_pages: int = 4096,
+        share_weights: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)  #: the checkpoint directory
+        #: On the CPU, bind the weights to the node's one copy of this checkpoint (replicas and
+        #: co-located roles over one checkpoint hold one copy); False: a private copy.
+        self.share_weights = share_weights
         self.max_batch = max_batch  #: sequences computed together
         self.device, self.dtype = device, dtype  #: as requested ("auto" resolved at start)
         self.page_tokens = page_tokens  #: tokens per KV page (a private pool's layout)
