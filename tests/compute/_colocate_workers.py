@@ -30,10 +30,10 @@ def member(group: str, name: str, pages: int, go: Any, out: Any, die: bool = Fal
         barrier.propose(name, pages)
         try:
             got = await barrier.wait(name)
+            out.put((name, barrier.size, got.capacity["l1"], got.shared_l1))
         except Exception as exc:
             out.put((name, "error", str(exc)))
-            return
-        out.put((name, barrier.size, got.capacity["l1"], got.shared_l1))
-        await barrier.leave(name)
+        finally:
+            await barrier.leave(name)  # (an engine's stop() does this)
 
     asyncio.run(run())

@@ -277,3 +277,6 @@ def test_a_member_that_dies_during_the_barrier_fails_its_partner_naming_it() -> 
     procs[0].join(30)
     assert (name, kind) == ("a", "error")
     assert "kv_pool_barrier 'kv': role 'b' died during the barrier" in why
+    nb = NodeBarrier(group, "kv", ("a", "b"))  # (recreates the directory: remove it again)
+    nb.leave("a")
+    assert not nb.path.exists()  # nobody alive is left: the last leave removed it
