@@ -11,11 +11,16 @@ are pinned, not copied) and denoises ``STEPS`` Euler steps whose attention reads
 place, batching the steps of concurrent calls; a ``preview`` PNG streams every ``EVERY`` steps.
 ``vae.decode`` turns the final latents into the ``image`` (an ``of.Image``, resized to ``size``
 "WIDTHxHEIGHT" when one is given; None or "auto": the decoder's own size). Both engines take a
-seat at one ``KvPoolBarrier`` (``barrier.member(role, pages)``): each proposes after loading
-its weights and the shared pool is sized by the smaller proposal once both did. Without the
-environment variables the roles make tiny random-init checkpoints (the picture is noise); with
-real ones the same code runs. ``omniflow serve graphs/t2i_unified.py`` answers
-``/v1/images/generations`` with it (Placeholders ``prompt`` and ``size``; docs/contract.md §9).
+seat at one ``KvPoolBarrier`` over the graph's pool ``t2i-kv`` (``barrier.member(role,
+max_pages=...)``): each measures what is free after loading its weights and proposes, and the
+pool is sized by the smaller proposal once both did. The same file runs unchanged inproc, with
+``placement="process"``, in one ``of.Deploy`` process group, and on Ray with ``dit`` at layer 1
+colocated with ``llm``: where the two roles are in different processes of a node, they meet in
+the node's shared memory, and the DiT reads the LLM's pages there in place. Without the
+environment variables the roles make tiny random-init checkpoints, the same in every process
+(the picture is noise); with real ones the same code runs. ``omniflow serve
+graphs/t2i_unified.py`` answers ``/v1/images/generations`` with it (Placeholders ``prompt`` and
+``size``; docs/contract.md §9).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def png_bytes(rgb: Any) -> bytes:
 
 
 def _dirs() -> tuple[Path, Path]:
-    """The checkpoints: from the environment, or tiny random-init ones made once per process."""
+    """The checkpoints: from the environment, or tiny random-init ones made once per process
+    (seeded: every process makes the same weights)."""
     if "dirs" not in _SHARED:
         llm, dit = os.environ.get("OMNIFLOW_T2I_LLM"), os.environ.get("OMNIFLOW_T2I_DIT")
         if llm and dit:
@@ -78,17 +84,21 @@ def _dirs() -> tuple[Path, Path]:
     return _SHARED["dirs"]  # type: ignore[no-any-return]
 
 
+#: The co-located KV pool: declared in the graph, so every process has its instance with the
+#: deployment's metadata; its L1 is sized by the barrier (the 1 here is a placeholder).
+KV = of.TorchEngine.pool(
+    _dirs()[0], "t2i-kv", capacity={"l1": 1, "l2": 0, "l3": 0}, page_tokens=PAGE_TOKENS,
+    dtype="float32", device="cpu",
+)  # fmt: skip
+
+
 def _barrier(member: str) -> Any:
-    """The LLM's and the DiT's co-located pool barrier (one per process group). A runtime that
-    sets the graph up again in this process (its roles' ``setup()`` run once more) gets a fresh
+    """The LLM's and the DiT's co-located pool barrier (one per process). A runtime that sets
+    the graph up again in this process (its roles' ``setup()`` run once more) gets a fresh
     barrier: a member that already took a seat at the current one starts the next."""
     current = _SHARED.get("barrier")
     if current is None or member in current.proposals:
-        from omniflow.compute._config import ModelConfig
-        from omniflow.compute._pool import layout_for
-
-        layout = layout_for(ModelConfig.from_dir(_dirs()[0]), page_tokens=PAGE_TOKENS)
-        current = _SHARED["barrier"] = of.KvPoolBarrier("t2i-kv", layout, members=("llm", "dit"))
+        current = _SHARED["barrier"] = of.KvPoolBarrier("t2i-kv", None, members=("llm", "dit"))
     return current
 
 
@@ -98,9 +108,11 @@ class Llm(of.Role):
 
     async def setup(self) -> None:
         llm_dir = _dirs()[0]
-        seat = _barrier("llm").member("llm", pages=256)
-        self.engine = of.TorchEngine(llm_dir, pool=seat, dtype="float32", page_tokens=PAGE_TOKENS)
-        await self.engine.start()  # weights loaded, 256 pages proposed; the pool comes later
+        seat = _barrier("llm").member("llm", max_pages=256)
+        self.engine = of.TorchEngine(
+            llm_dir, pool=seat, dtype="float32", device="cpu", page_tokens=PAGE_TOKENS
+        )
+        await self.engine.start()  # weights loaded, free memory measured and proposed
 
     async def teardown(self) -> None:
         await self.engine.stop()
@@ -122,8 +134,10 @@ class Dit(of.Role):
     the prompt's pages where the LLM wrote them."""
 
     async def setup(self) -> None:
-        seat = _barrier("dit").member("dit", pages=128)
-        self.engine = of.DiTEngine(_dirs()[1], pool=seat, dtype="float32", page_tokens=PAGE_TOKENS)
+        seat = _barrier("dit").member("dit", max_pages=128)
+        self.engine = of.DiTEngine(
+            _dirs()[1], pool=seat, dtype="float32", device="cpu", page_tokens=PAGE_TOKENS
+        )
         await self.engine.start()
 
     async def teardown(self) -> None:
@@ -213,6 +227,7 @@ graph = of.Graph(
     roles={"llm": Llm(), "dit": Dit(), "vae": Vae()},
     inputs=[of.Placeholder("prompt"), of.Placeholder("size")],
     outputs=["preview", "image"],
+    pools=[KV],
 )
 
 

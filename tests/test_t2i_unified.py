@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import zlib
+from typing import Any
 
 import pytest
 
@@ -31,10 +32,11 @@ def test_t2i_unified_writes_a_valid_png() -> None:
                         pngs.append(frame.value.to_png())
                 assert call.status == "ok", call.errors
             pool = mod._SHARED["barrier"].pool
+            assert pool is mod.KV  # the graph's pool, sized by the barrier
             assert llm.kv_pool is pool and dit.kv_pool is pool  # one co-located pool
+            assert pool.capacity["l1"] == mod._SHARED["barrier"].size == 128  # min(256, 128)
             assert dit.statistics()["steps"] == 2 * mod.STEPS
             stats = pool.stats()
-        assert pool.closed  # both engines stopped at teardown: the co-located pool is freed
         return fields, pngs, stats
 
     fields, pngs, stats = asyncio.run(go())
@@ -57,3 +59,56 @@ def test_t2i_unified_writes_a_valid_png() -> None:
     raw = zlib.decompress(chunks[b"IDAT"])
     assert len(raw) == h * (1 + 3 * w)
     assert len(set(raw)) > 16  # not a flat image
+
+
+def _readme_deploy(tmp_path: Any) -> dict[str, dict[str, Any]]:
+    """The README's deploy file for this graph, as a user would save it."""
+    from pathlib import Path
+
+    from omniflow.runtime._ray_plan import load_deploy
+
+    text = Path("README.md").read_text()
+    block = text.split("```yaml\n# deploy.yaml", 1)[1].split("```", 1)[0]
+    path = tmp_path / "deploy.yaml"
+    path.write_text("# deploy.yaml" + block)
+    return load_deploy(path)
+
+
+def _png(placement: Any) -> bytes:
+    graph = load_graphs("graphs/t2i_unified.py")[0]
+
+    async def go() -> bytes:
+        async with of.Runtime(graph, placement=placement) as rt:
+            out = await rt.run(
+                "t2i_unified", {"prompt": "a red cube on a blue table", "size": None}
+            )
+        image: of.Image = out["image"][-1]
+        return image.to_png()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["process", "deploy", "ray"])
+def test_t2i_unified_runs_unchanged_in_every_placement(where: str, tmp_path: Any) -> None:
+    """The same file, the same picture bit for bit (float32): inproc, each role in its own
+    process (the DiT reads the LLM's pages in its shared L1), llm and dit in one Deploy process
+    group, and on a local Ray with the README's deploy file (dit at layer 1 in llm's bundle)."""
+    placement: Any = where
+    started = False
+    if where == "deploy":
+        placement = of.Deploy({"llm": {"process": "gpu0"}, "dit": {"process": "gpu0"}})
+    elif where == "ray":
+        ray = pytest.importorskip("ray")
+        deploy = _readme_deploy(tmp_path)
+        assert deploy["dit"] == {"layer": 1, "colocate": "llm"}
+        assert deploy["llm"]["num_gpus"] == 1 and deploy["llm"]["replicas"] == 2
+        if not ray.is_initialized():  # fake GPUs: the file's num_gpus: 1 per llm replica fit
+            ray.init(num_cpus=16, num_gpus=2, include_dashboard=False)
+            started = True
+        placement = of.Ray(deploy)
+    try:
+        assert _png(placement) == _png("inproc")
+    finally:
+        if started:
+            ray.shutdown()

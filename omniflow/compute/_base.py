@@ -54,6 +54,7 @@ class EngineOptions(TypedDict, total=False):
     dtype: str | torch.dtype
     page_tokens: int
     pool_pages: int
+    share_weights: bool
 
 
 #: architecture name (config.json "architectures") -> the engine class that runs it
@@ -166,8 +167,12 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         dtype: str | torch.dtype = "auto",
         page_tokens: int = 16,
         pool_pages: int = 4096,
+        share_weights: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)  #: the checkpoint directory
+        #: On the CPU, bind the weights to the node's one copy of this checkpoint (replicas and
+        #: co-located roles over one checkpoint hold one copy); False: a private copy.
+        self.share_weights = share_weights
         self.max_batch = max_batch  #: sequences computed together
         self.device, self.dtype = device, dtype  #: as requested ("auto" resolved at start)
         self.page_tokens = page_tokens  #: tokens per KV page (a private pool's layout)
@@ -271,10 +276,13 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             seat = self._seat
             try:
                 self._check_architecture()
+                if seat is not None:
+                    seat.arrive()  # partners in other processes see this role load (or die)
                 model = await loop.run_in_executor(self._executor, self._load_model)
                 self._loaded(model)
                 if seat is not None:
-                    seat.propose()  # weights are in: the barrier may size the pool now
+                    # Weights are in: what is free now sizes the pool (after the last proposal).
+                    seat.propose(self._page_bytes(model), model.device)
                 else:
                     await self._open(model)
             except BaseException as exc:
@@ -286,6 +294,13 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
                 raise
             self._task = loop.create_task(self._run(model), name="omniflow-engine-loop")
             self._task.add_done_callback(self._loop_ended)
+
+    def _page_bytes(self, model: Any) -> int:
+        """Bytes of one KV page of ``model`` (a measured proposal's unit)."""
+        from omniflow.compute._pool import layout_for
+
+        dtype = str(model.dtype).removeprefix("torch.")
+        return int(layout_for(model.cfg, page_tokens=self.page_tokens, dtype=dtype).page_bytes)
 
     def _check_architecture(self) -> None:
         """Refuse a checkpoint another engine claims, naming that engine. Architectures nobody

@@ -12,6 +12,16 @@ memory the others had not claimed yet; its larger proposal loses to the later, s
 since nobody gets a pool before the last join, nobody can allocate from an over-sized one. A
 member whose load failed calls ``abort`` so the others fail at once instead of waiting.
 
+Co-location is a placement fact: where the members are is read from the running placement
+(``omniflow.dsl._context.colocation``, set around every ``setup()``). All of them in this
+process (inproc, or one ``Deploy`` process group): the decision is this object's. Some in other
+processes of the node (``placement="process"``, Ray actors of one bundle): they meet in a
+``NodeBarrier`` (``_nodebarrier``) and each process sizes its instance of the graph's pool of
+that name (its metadata is the deployment's) with its members' share of the minimum, its L1 in
+shared memory so partners read its pages in place. A proposal is ``pages`` when given, else
+measured (``propose_pages``: CUDA free memory, or on CPU a budget / ``MemAvailable``, minus a
+margin).
+
 The decision itself (``_Decision``) is pure: members, proposals, outcome; the class is the async
 shell around it.
 """
@@ -19,14 +29,21 @@ shell around it.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omniflow.compute._errors import EngineError
+from omniflow.compute._nodebarrier import NodeBarrier
 from omniflow.data.kv import PageLayout, ParamsPool
 
-__all__ = ["KvPoolBarrier", "PoolSeat", "pages_that_fit"]
+__all__ = ["KvPoolBarrier", "PoolSeat", "free_bytes", "pages_that_fit", "propose_pages"]
+
+#: A CPU node's memory budget for KV pages, in bytes, when set (else MemAvailable is measured).
+BUDGET_ENV = "OMNIFLOW_KV_BUDGET"
 
 
 def pages_that_fit(layout: PageLayout, free_bytes: int, utilization: float = 0.9) -> int:
@@ -39,6 +56,58 @@ def pages_that_fit(layout: PageLayout, free_bytes: int, utilization: float = 0.9
     if not 0.0 < utilization <= 1.0:
         raise EngineError(f"pages_that_fit: utilization must be in (0, 1], got {utilization}")
     return max(0, int(free_bytes * utilization) // layout.page_bytes)
+
+
+def _mem_available(meminfo: str = "/proc/meminfo") -> int:
+    """``MemAvailable`` in bytes (the kernel's estimate of what can be had without swapping)."""
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise EngineError(f"{meminfo} has no MemAvailable line; give the pool a budget")
+
+
+def free_bytes(device: str | torch.device, budget: int | None = None) -> int:
+    """What a role may still claim on ``device`` now: CUDA's free memory (``mem_get_info``) on
+    a GPU; on the CPU ``budget``, else ``OMNIFLOW_KV_BUDGET``, else ``MemAvailable``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if budget is not None:
+        return int(budget)
+    env = os.environ.get(BUDGET_ENV)
+    if env:
+        return int(env)
+    return _mem_available()
+
+
+def propose_pages(
+    page_bytes: int,
+    device: str | torch.device,
+    *,
+    budget: int | None = None,
+    margin: float = 0.1,
+    max_pages: int | None = None,
+) -> int:
+    """A role's proposal once its weights are loaded: the pages of ``page_bytes`` that fit in
+    what is free on ``device`` minus ``margin`` (a fraction), at most ``max_pages``.
+
+    >>> propose_pages(1000, "cpu", budget=10_000, margin=0.1)
+    9
+    """
+    if not 0.0 <= margin < 1.0:
+        raise EngineError(f"propose_pages: margin must be in [0, 1), got {margin}")
+    free = free_bytes(device, budget)
+    pages = int(free * (1.0 - margin)) // page_bytes
+    if max_pages is not None:
+        pages = min(pages, max_pages)
+    if pages < 1:
+        raise EngineError(
+            f"propose_pages: {free} bytes free on {device} leave no room for one KV page of "
+            f"{page_bytes} bytes after a {margin:.0%} margin; free memory or give a budget"
+        )
+    return pages
 
 
 class _Decision:
@@ -88,14 +157,16 @@ class KvPoolBarrier:
     def __init__(
         self,
         name: str,
-        layout: PageLayout,
+        layout: PageLayout | None,
         members: Iterable[str],
         *,
         capacity: Mapping[str, int] | None = None,
+        timeout: float | None = 600.0,
         **pool_kwargs: Any,
     ) -> None:
         self.name = name
-        self.layout = layout
+        self.layout = layout  #: the pool's layout (None: the graph's pool of this name has it)
+        self.timeout = timeout  #: longest wait for the other members' proposals
         self._decision = _Decision(members)
         if not self._decision.members:
             raise EngineError(f"kv_pool_barrier '{name}': needs at least one co-located role")
@@ -105,6 +176,74 @@ class KvPoolBarrier:
         self._done: asyncio.Future[ParamsPool] | None = None
         self._left: set[str] = set()  #: members done with the pool (stopped or failed)
         self.pool: ParamsPool | None = None  #: the shared pool once decided
+        #: Decided at the first arrival: the graph's pool of this name (None: the barrier makes
+        #: one), the node barrier when some members live in other processes, and how many
+        #: members live in this one.
+        self._graph_pool: ParamsPool | None = None
+        self._node: NodeBarrier | None = None
+        self._local = len(self._decision.members)
+        self._placed = False
+        self.size: int | None = None  #: the node's pool size (L1 pages) once decided
+
+    def arrive(self, member: str) -> None:
+        """``member`` is about to load its weights here: find out where its partners are (the
+        placement's co-location facts) and, across processes, take its place at the node's
+        barrier so that its death is seen."""
+        self._check_member(member)
+        if not self._placed:
+            self._place()
+        if self._node is not None:
+            self._node.arrive(member)
+
+    def _place(self) -> None:
+        from omniflow.dsl._context import colocation, role_pools
+
+        try:
+            pools = role_pools()
+        except Exception:
+            pools = {}
+        graph_pool = pools.get(self.name)
+        if graph_pool is not None and not isinstance(graph_pool, ParamsPool):
+            graph_pool = None
+        facts = colocation()
+        members = self._decision.members
+        if facts is not None and not members <= facts.local:
+            if graph_pool is None:
+                raise EngineError(
+                    f"kv_pool_barrier '{self.name}': roles {sorted(members - facts.local)} run "
+                    "in other processes of this node; declare the pool in the graph "
+                    f"(of.Graph(..., pools=[of.TorchEngine.pool(model_dir, {self.name!r})])) "
+                    "so every process sizes its instance of it and shares its metadata"
+                )
+            self._node = NodeBarrier(facts.key, self.name, members)
+            self._local = len(members & facts.local)
+        self._graph_pool = graph_pool
+        if self.layout is None:
+            if graph_pool is None:
+                raise EngineError(
+                    f"kv_pool_barrier '{self.name}': no layout given and no pool of that name "
+                    "in the role's graph; pass layout= or declare the pool in the graph"
+                )
+            self.layout = graph_pool.layout
+        self._placed = True
+
+    def _check_member(self, member: str) -> None:
+        if member not in self._decision.members:
+            raise EngineError(
+                f"kv_pool_barrier '{self.name}': role {member!r} is not co-located here; members "
+                f"are {sorted(self._decision.members)}"
+            )
+
+    def _make_pool(self, size: int) -> ParamsPool:
+        """This process's pool of the decided ``size``: the graph's (its share) or our own."""
+        self.size = size
+        if self._graph_pool is not None:
+            share = max(1, size * self._local // len(self._decision.members))
+            self._graph_pool.colocate(share, shared=self._node is not None)
+            return self._graph_pool
+        assert self.layout is not None
+        cap = {**self._capacity, "l1": size}
+        return ParamsPool(self.name, self.layout, cap, **self._pool_kwargs)
 
     def _future(self) -> asyncio.Future[ParamsPool]:
         if self._done is None:
@@ -124,15 +263,28 @@ class KvPoolBarrier:
         if self._decision.failed is not None:
             who, exc = self._decision.failed
             raise EngineError(f"kv_pool_barrier '{self.name}': role {who!r} failed: {exc}")
+        if not self._placed:
+            self.arrive(member)
         self._decision.propose(member, pages)
+        if self._node is not None:
+            self._node.propose(member, pages)
+            return
         size = self._decision.size
         if size is not None and not done.done():
-            cap = {**self._capacity, "l1": size}
-            self.pool = ParamsPool(self.name, self.layout, cap, **self._pool_kwargs)
+            self.pool = self._make_pool(size)
             done.set_result(self.pool)
 
-    async def wait(self, member: str = "?", *, timeout: float | None = 600.0) -> ParamsPool:
-        """The shared pool, once every member proposed."""
+    async def wait(self, member: str = "?", *, timeout: float | None = None) -> ParamsPool:
+        """The shared pool, once every member proposed (``timeout``: the barrier's)."""
+        timeout = self.timeout if timeout is None else timeout
+        if self._node is not None:
+            done = self._future()
+            if not done.done():
+                size = await self._node.wait(member, timeout)
+                if not done.done():
+                    self.pool = self._make_pool(size)
+                    done.set_result(self.pool)
+            return await asyncio.shield(done)
         try:
             return await asyncio.wait_for(asyncio.shield(self._future()), timeout)
         except TimeoutError:
@@ -141,31 +293,46 @@ class KvPoolBarrier:
                 f"{self._decision.missing} to finish loading weights; check those roles"
             ) from None
 
-    async def join(self, member: str, pages: int, *, timeout: float | None = 600.0) -> ParamsPool:
+    async def join(self, member: str, pages: int, *, timeout: float | None = None) -> ParamsPool:
         """``propose`` then ``wait``: every member gets the same pool."""
         self.propose(member, pages)
         return await self.wait(member, timeout=timeout)
 
-    def member(self, name: str, pages: int) -> PoolSeat:
-        """A seat to hand an engine as ``pool=``: the engine proposes ``pages`` once its weights
-        are loaded (``start()`` returns then) and serves requests once the pool is decided."""
-        if name not in self._decision.members:
-            raise EngineError(
-                f"kv_pool_barrier '{self.name}': role {name!r} is not co-located here; members "
-                f"are {sorted(self._decision.members)}"
-            )
-        return PoolSeat(self, name, pages)
+    def member(
+        self,
+        name: str,
+        pages: int | None = None,
+        *,
+        budget: int | None = None,
+        max_pages: int | None = None,
+        margin: float = 0.1,
+    ) -> PoolSeat:
+        """A seat to hand an engine as ``pool=``: the engine proposes once its weights are
+        loaded (``start()`` returns then) and serves requests once the pool is decided. It
+        proposes ``pages``, or when None what ``propose_pages`` measures (``budget``,
+        ``max_pages``, ``margin``)."""
+        self._check_member(name)
+        return PoolSeat(self, name, pages, budget, max_pages, margin)
 
     async def leave(self, member: str) -> None:
-        """``member`` is done with the pool (its engine stopped); the last member to leave
-        closes the pool, so a co-located pool lives exactly as long as its roles."""
+        """``member`` is done with the pool (its engine stopped); the last member of this
+        process to leave closes a pool the barrier made, or this process's share of a graph's
+        pool across processes (its shared memory goes now, not at exit), so a co-located pool
+        lives exactly as long as its roles. A graph's pool shared in one process is the
+        runtime's: another runtime of this process may size it again."""
         self._left.add(member)
-        if self._left >= self._decision.members and self.pool is not None:
+        if self._node is not None:
+            self._node.leave(member)
+        if self.pool is None or len(self._left) < self._local:
+            return
+        if self.pool is not self._graph_pool or self._node is not None:
             await self.pool.aclose()
 
     def abort(self, member: str, exc: BaseException) -> None:
         """``member`` will never join (its weights failed to load): fail every waiter now."""
         self._left.add(member)
+        if self._node is not None:
+            self._node.abort(member, f"{type(exc).__name__}: {exc}")
         self._decision.failed = (member, exc)
         done = self._future()
         if not done.done():
@@ -181,10 +348,24 @@ class PoolSeat:
 
     barrier: KvPoolBarrier  #: the co-located roles' barrier
     member: str  #: this role's name among the barrier's members
-    pages: int  #: the L1 pages this role proposes (after its weights are loaded)
+    pages: int | None  #: the L1 pages this role proposes (None: measured after loading)
+    budget: int | None = None  #: a CPU memory budget for the measurement (bytes)
+    max_pages: int | None = None  #: the most a measured proposal asks for
+    margin: float = 0.1  #: the fraction of free memory a measured proposal leaves alone
 
-    def propose(self) -> None:
-        self.barrier.propose(self.member, self.pages)
+    def arrive(self) -> None:
+        self.barrier.arrive(self.member)
+
+    def propose(self, page_bytes: int = 0, device: str | torch.device = "cpu") -> int:
+        """Propose (measured when ``pages`` is None) and return the proposal."""
+        pages = self.pages
+        if pages is None:
+            pages = propose_pages(
+                page_bytes, device, budget=self.budget, margin=self.margin,
+                max_pages=self.max_pages,
+            )  # fmt: skip
+        self.barrier.propose(self.member, pages)
+        return pages
 
     async def wait(self) -> ParamsPool:
         return await self.barrier.wait(self.member)

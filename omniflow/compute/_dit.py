@@ -230,11 +230,13 @@ def load_dit(
     *,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
+    share: bool = False,
 ) -> DitModel:
-    """Read a DiT checkpoint directory (config naming ``OmniflowDiT`` + safetensors)."""
+    """Read a DiT checkpoint directory (config naming ``OmniflowDiT`` + safetensors; ``share``:
+    the node's one copy of the weights)."""
     root = Path(path)
     cfg = DitConfig.from_dir(root)
-    dev, weights = load_checkpoint(root, cfg, device, dtype)
+    dev, weights = load_checkpoint(root, cfg, device, dtype, share=share)
     names = dit_tensor_names(cfg)
     missing = [n for n in names if n not in weights]
     if missing:

@@ -179,7 +179,9 @@ class DiTEngine(EngineBase[DenoiseRequest, DenoiseOutput, Outbox[DitSeq]]):
 
     # ---- EngineBase hooks ------------------------------------------------------------------
     def _load_model(self) -> DitModel:
-        return load_dit(self.model_dir, device=self.device, dtype=self.dtype)
+        return load_dit(
+            self.model_dir, device=self.device, dtype=self.dtype, share=self.share_weights
+        )
 
     def _loaded(self, model: Any) -> None:
         self.config = model.cfg

@@ -166,7 +166,9 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
     # ---- EngineBase hooks ------------------------------------------------------------------
     def _load_model(self) -> Any:
         if self.executor == "thread":
-            return load_model(self.model_dir, device=self.device, dtype=self.dtype)
+            return load_model(
+                self.model_dir, device=self.device, dtype=self.dtype, share=self.share_weights
+            )
         if resolve_device(self.device).type != "cpu":
             raise EngineError(
                 f"TorchEngine(executor='process') runs on CPU only so far (device "

@@ -110,12 +110,24 @@ def load_weights(
 
 
 def load_checkpoint(
-    root: Path, cfg: _SavedDtype, device: str | torch.device, dtype: str | torch.dtype
+    root: Path,
+    cfg: _SavedDtype,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    *,
+    share: bool = False,
 ) -> tuple[torch.device, dict[str, torch.Tensor]]:
     """The resolved device and every tensor of the checkpoint at ``root`` on it, in the
-    resolved dtype (``resolve_device``, ``resolve_dtype``)."""
+    resolved dtype (``resolve_device``, ``resolve_dtype``). ``share`` on the CPU: bound to the
+    node's one copy of this checkpoint in this dtype (``_shared.load_shared_weights``); on a GPU
+    weights stay private (sharing them needs CUDA IPC, not implemented)."""
     dev = resolve_device(device)
-    return dev, load_weights(root, dev, resolve_dtype(dtype, cfg, dev))
+    dt = resolve_dtype(dtype, cfg, dev)
+    if share and dev.type == "cpu":
+        from omniflow.compute._shared import load_shared_weights
+
+        return dev, load_shared_weights(root, dt)
+    return dev, load_weights(root, dev, dt)
 
 
 def checkpoint_mismatch(root: Path, what: str, config: str) -> ModelLoadError:
@@ -131,11 +143,13 @@ def load_model(
     *,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
+    share: bool = False,
 ) -> LlamaModel:
-    """Read config and weights of ``model_dir`` into a ready ``LlamaModel``."""
+    """Read config and weights of ``model_dir`` into a ready ``LlamaModel`` (``share``: the
+    node's one copy of the weights, see ``load_checkpoint``)."""
     root = Path(model_dir)
     cfg = ModelConfig.from_dir(root)
-    dev, weights = load_checkpoint(root, cfg, device, dtype)
+    dev, weights = load_checkpoint(root, cfg, device, dtype, share=share)
     inv_freqs = [
         inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_params),
         inv_frequencies(cfg.head_dim, cfg.rope_theta, "default", {}),

@@ -119,6 +119,7 @@ def _fill(
                         wanted.discard(name)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
+    _trim_heap()  # the transient tensors read from the files go back to the OS now
     if not wanted:
         return
     # Buffers computed in __init__ (e.g. rotary frequencies) are not in checkpoints: rebuild the
@@ -138,6 +139,22 @@ def _fill(
             "returns",
             path=str(weights_dir),
         )
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; elsewhere nothing): the
+    owner's copy loop frees each checkpoint tensor it read, and without this glibc keeps those
+    pages, a private near-copy of the weights that sharing exists to avoid."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:  # pragma: no cover - not glibc
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - a libc without malloc_trim
+        return
 
 
 def _bind(
@@ -263,3 +280,64 @@ async def _attach_once(
 def _stats() -> dict[str, Any]:
     """Attached keys of this process and whether it owns each (for tests and benchmarks)."""
     return {k: {"owner": seg.writable, "bytes": len(seg.buf)} for k, (_, seg) in _ATTACHED.items()}
+
+
+#: (shard path, size, mtime_ns) -> sha256 of its bytes (a process hashes a file once).
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def checkpoint_key(weights_dir: str | os.PathLike[str], dtype: torch.dtype) -> str:
+    """The checkpoint's content identity and ``dtype``: equal for two copies of the same files
+    wherever they lie, so replicas and co-located roles over one checkpoint share one copy."""
+    import hashlib
+
+    h = hashlib.sha256(str(dtype).encode())
+    for path in _shard_files(Path(weights_dir)):
+        st = path.stat()
+        memo = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        digest = _DIGESTS.get(memo)
+        if digest is None:
+            fh = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    fh.update(block)
+            digest = _DIGESTS[memo] = fh.hexdigest()
+        h.update(path.name.encode() + b"\0" + digest.encode())
+    return "ckpt/" + h.hexdigest()[:32]
+
+
+def _checkpoint_tree(shapes: dict[str, list[int]], dtype: torch.dtype) -> torch.nn.Module:
+    """A module whose parameters are the checkpoint's tensors under their own dotted names."""
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = mod._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        empty = torch.empty(shape, dtype=dtype)
+        mod.register_parameter(leaf, torch.nn.Parameter(empty, requires_grad=False))
+    return root
+
+
+def load_shared_weights(weights_dir: str | os.PathLike[str], dtype: torch.dtype) -> dict[str, Any]:
+    """Every tensor of the checkpoint in ``dtype`` on the CPU, bound to the node's one shared
+    copy (``shared_module`` keyed by ``checkpoint_key``): the first process to ask loads it,
+    the others map it. Synchronous (an engine calls it on its loading thread)."""
+    from safetensors import SafetensorError, safe_open
+
+    root = Path(weights_dir)
+    shapes: dict[str, list[int]] = {}
+    for path in _shard_files(root):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    shapes[name] = list(f.get_slice(name).get_shape())
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
+    key = checkpoint_key(root, dtype)
+    module = asyncio.run(shared_module(key, lambda: _checkpoint_tree(shapes, dtype), root))
+    return {name: p.detach() for name, p in module.named_parameters()}

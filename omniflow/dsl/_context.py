@@ -19,7 +19,14 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError
 
-__all__ = ["ActivationContext", "batch_contexts", "context", "role_pools"]
+__all__ = [
+    "ActivationContext",
+    "Colocation",
+    "batch_contexts",
+    "colocation",
+    "context",
+    "role_pools",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,27 @@ _setup_pools: ContextVar[Mapping[str, Any] | None] = ContextVar(
 #: Set by the runtime around a batched method (``batch=``): what ``_current`` would hold for
 #: each activation of the batch, in the batch's order.
 _batch: ContextVar[tuple[Any, ...] | None] = ContextVar("omniflow_batch", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Colocation:
+    """Where a role's process sits: what a co-located pool's barrier needs to know."""
+
+    #: The roles this process hosts.
+    local: frozenset[str]
+    #: This process's co-location group: the deployment and the replica slot (or Ray bundle)
+    #: it fills; processes of one node with the same key are co-located.
+    key: str
+
+
+#: Set by the runtime around a role's ``setup()`` when roles run in several processes (None:
+#: every role of the graph is in this process, as inproc).
+_colocation: ContextVar[Colocation | None] = ContextVar("omniflow_colocation", default=None)
+
+
+def colocation() -> Colocation | None:
+    """This process's co-location facts while a role sets up (None: everything is local)."""
+    return _colocation.get()
 
 
 def context() -> ActivationContext:

@@ -42,6 +42,23 @@ logger = logging.getLogger("omniflow.runtime")
 
 #: Environment variable naming the file where a worker writes why it could not start.
 START_ERROR_ENV = "OMNIFLOW_START_ERROR_FILE"
+#: Environment variable naming a worker's co-location group on its node (see ``colocation_key``).
+COLOCATE_ENV = "OMNIFLOW_COLOCATE"
+
+
+def colocation_group(owner: str, where: str) -> str:
+    """The co-location group of the replicas of one deployment (``owner``: the front's token,
+    hashed, never shown) that fill ``where`` (a replica slot, a Ray bundle): processes of one
+    node in one group share their co-located pools."""
+    import hashlib
+
+    return f"{hashlib.sha256(owner.encode()).hexdigest()[:16]}/{where}"
+
+
+def colocation_key() -> str:
+    """This worker's co-location group: what its launcher said, else (a worker started by hand)
+    one group per node and user."""
+    return os.environ.get(COLOCATE_ENV) or f"node/{os.getuid()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +233,12 @@ class SubprocessLauncher(Launcher):
             cmd += ["--registry", spec.registry_url]
         # The cluster key travels in the environment (never argv), with the file where the
         # worker writes why it could not start (a failed setup(), a bad module).
-        env = {**os.environ, KEY_ENV: spec.cluster_key.decode(), START_ERROR_ENV: err_file}
+        env = {
+            **os.environ,
+            KEY_ENV: spec.cluster_key.decode(),
+            START_ERROR_ENV: err_file,
+            COLOCATE_ENV: colocation_group(spec.owner, f"slot{spec.slot}"),
+        }
         if fast_path_enabled() and forking_supported():
             try:
                 child = await self._fork(cmd, env)

@@ -31,7 +31,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import OmniflowError
-from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle
+from omniflow.runtime._launch import (
+    COLOCATE_ENV,
+    Launcher,
+    LaunchSpec,
+    ReplicaHandle,
+    colocation_group,
+)
 from omniflow.transport._fastpath import FAST_PATH_ENV, fast_path_enabled
 
 if TYPE_CHECKING:
@@ -250,7 +256,12 @@ class RayLauncher(Launcher):
         if actor is None:
             # The actor picks uds:// or ipc:// on the front's node by the front's setting
             # (an actor's environment is Ray's, not the front's).
-            env = {FAST_PATH_ENV: "1" if fast_path_enabled() else "0"}
+            env = {
+                FAST_PATH_ENV: "1" if fast_path_enabled() else "0",
+                # One co-location group per bundle: its layer-0 role and the roles colocated
+                # with it share their pools (they are on one node: Ray packs a bundle whole).
+                COLOCATE_ENV: colocation_group(spec.owner, f"{anchor}:{bundle}"),
+            }
             if role.layer:
                 cuda = await asyncio.shield(env_fut)  # the layer-0 replica of this bundle
                 if cuda is not None:

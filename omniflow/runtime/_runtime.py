@@ -314,6 +314,16 @@ class Runtime:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _front_colocation(self) -> Any:
+        """The co-location facts of the roles this front hosts next to its workers (they fill
+        slot 0 of the deployment on this node)."""
+        from omniflow.dsl._context import Colocation
+        from omniflow.runtime._launch import colocation_group
+
+        assert self.remote is not None
+        local = frozenset(self._role_names[id(r)] for r in self._roles)
+        return Colocation(local, colocation_group(self.remote.fleet.token, "slot0"))
+
     async def start(self) -> None:
         if self.state is not RuntimeState.NEW:
             raise RuntimeClosedError(f"Runtime is {self.state.value}; it can start only once")
@@ -322,12 +332,14 @@ class Runtime:
         for batcher in self._batchers.values():  # batches run in the starter's context
             batcher.base = contextvars.copy_context()
         try:
+            facts = None
             if self.remote is not None:
                 await self.remote.start()
+                facts = self._front_colocation()
             for role in self._roles:
                 setup = getattr(role, "setup", None)
                 if setup is not None:
-                    await setup_role(self._role_names[id(role)], setup)
+                    await setup_role(self._role_names[id(role)], setup, facts)
                 self._set_up.append(role)
         except BaseException:
             await self.close()

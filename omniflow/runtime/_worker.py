@@ -321,12 +321,16 @@ class Worker:
 
     async def run(self) -> None:
         """Load, set up, serve until ``stop`` (or SIGTERM), tear down."""
+        from omniflow.dsl._context import Colocation
+        from omniflow.runtime._launch import colocation_key
+
         # Methods run in copies of this context (taken before any setup() could add to it).
         self._ctx = contextvars.copy_context()
         try:
             self._load()
+            facts = Colocation(frozenset(self.role_names), colocation_key())
             for role in self._roles:
-                await setup_role(self._role_names_of[id(role)], role.setup)
+                await setup_role(self._role_names_of[id(role)], role.setup, facts)
         except Exception as exc:
             # The front that spawned this worker reads why it did not start from here.
             path = os.environ.get(START_ERROR_ENV)

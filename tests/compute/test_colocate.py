@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -19,9 +20,16 @@ from omniflow.compute import (
     SamplingParams,
     TorchEngine,
 )
-from omniflow.compute._colocate import KvPoolBarrier, _Decision, pages_that_fit
+from omniflow.compute._colocate import (
+    KvPoolBarrier,
+    _Decision,
+    _mem_available,
+    pages_that_fit,
+    propose_pages,
+)
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._dit import make_tiny_dit
+from omniflow.compute._nodebarrier import NodeBarrier, decide
 from omniflow.compute._pool import layout_for
 from omniflow.compute._tiny import make_tiny_model
 from omniflow.data.kv import PageLayout
@@ -188,3 +196,87 @@ def test_an_engine_that_fails_to_load_fails_its_partners(tmp_path: Path) -> None
             await waiting
 
     asyncio.run(go())
+
+
+# -- across processes of one node -------------------------------------------------------------
+
+
+def test_the_node_rule_is_the_minimum_once_all_proposed_and_names_a_dead_member() -> None:
+    members = frozenset({"a", "b"})
+    assert decide(members, {"a": 300}, {}, set()) == (None, None)
+    assert decide(members, {"a": 300, "b": 200}, {}, set()) == (200, None)
+    assert decide(members, {"a": 300, "b": 200}, {}, {"b"}) == (200, None)  # b proposed
+    size, why = decide(members, {"a": 300}, {}, {"b"})
+    assert size is None and why is not None and "'b' died during the barrier" in why
+    size, why = decide(members, {"a": 300}, {"b": "ModelLoadError: no weights"}, set())
+    assert size is None and why == "role 'b' failed: ModelLoadError: no weights"
+
+
+def test_a_proposal_is_measured_from_a_budget_or_available_memory(tmp_path: Path) -> None:
+    assert propose_pages(1000, "cpu", budget=10_000, margin=0.1) == 9
+    assert propose_pages(1000, "cpu", budget=10_000, margin=0.1, max_pages=4) == 4
+    with pytest.raises(EngineError, match="no room for one KV page"):
+        propose_pages(1000, "cpu", budget=1000, margin=0.1)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
+    assert _mem_available(str(meminfo)) == 2048 * 1024
+    assert propose_pages(1024, "cpu", margin=0.0) >= 1  # this machine's MemAvailable
+
+
+def _spawn(group: str, specs: list[tuple[str, int, bool]]) -> tuple[Any, dict[str, Any], Any]:
+    import multiprocessing as mp
+
+    from tests.compute._colocate_workers import member
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    events = {name: ctx.Event() for name, _, _ in specs}
+    procs = []
+    for name, pages, die in specs:
+        p = ctx.Process(target=member, args=(group, name, pages, events[name], out, die))
+        p.start()
+        procs.append(p)
+    return procs, events, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_colocated_processes_proposing_300_and_200_get_one_pool_of_200(first: str) -> None:
+    import uuid
+
+    from tests.compute._colocate_workers import LAYOUT as WLAYOUT
+
+    group = f"test-{uuid.uuid4().hex}"
+    procs, events, out = _spawn(group, [("a", 300, False), ("b", 200, False)])
+    nb = NodeBarrier(group, "kv", ("a", "b"))
+    second = "b" if first == "a" else "a"
+    events[first].set()  # `first` finished loading first and proposed ...
+    import time
+
+    deadline = time.monotonic() + 60
+    while first in nb.snapshot()[2] and time.monotonic() < deadline:
+        time.sleep(0.01)  # ... before the other one did
+    events[second].set()
+    got = sorted(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == [("a", 200, 100, True), ("b", 200, 100, True)]  # 200 pages on the node
+    assert WLAYOUT.page_bytes > 0 and not nb.path.exists()  # the last to leave cleaned up
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_dies_during_the_barrier_fails_its_partner_naming_it() -> None:
+    import uuid
+
+    group = f"test-{uuid.uuid4().hex}"
+    procs, events, out = _spawn(group, [("a", 300, False), ("b", 200, True)])
+    procs[1].join(60)
+    assert procs[1].exitcode == 3
+    events["a"].set()
+    name, kind, why = out.get(timeout=60)  # well within the barrier's 120 s
+    procs[0].join(30)
+    assert (name, kind) == ("a", "error")
+    assert "kv_pool_barrier 'kv': role 'b' died during the barrier" in why
+    nb = NodeBarrier(group, "kv", ("a", "b"))  # (recreates the directory: remove it again)
+    nb.leave("a")
+    assert not nb.path.exists()  # nobody alive is left: the last leave removed it

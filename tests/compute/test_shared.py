@@ -251,3 +251,52 @@ def test_three_processes_share_one_copy(tmp_path: Path) -> None:
         for w in workers + private:
             w.close()
     assert _wait_gone(key) == []  # the reaper removed every file of the key
+
+
+def _replica(mode: str, model_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.compute._engine_share_worker", mode, str(model_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+
+
+def _line(proc: subprocess.Popen[str], word: str) -> str:
+    assert proc.stdout is not None
+    got = proc.stdout.readline().split()
+    assert got and got[0] == word, (word, got, proc.poll())
+    return got[1] if len(got) > 1 else ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_torch_engine_replicas_of_one_checkpoint_hold_one_copy(tmp_path: Path) -> None:
+    """Two replicas in two processes: PSS above baseline at most 1.2x one copy; their tokens
+    equal a private copy's."""
+    from omniflow.compute._tiny import make_tiny_model
+
+    # ~250 MB: a replica's own few MB (threads, tokenizer, activations) stay inside the margin
+    model = make_tiny_model(tmp_path / "m", hidden_size=640, layers=16, heads=10, kv_heads=10)
+    copy_kb = sum(p.stat().st_size for p in model.glob("*.safetensors")) // 1024
+    assert copy_kb > 200_000  # big enough that a second copy could not hide in the margin
+    procs = [_replica("private", model)]
+    try:
+        base = int(_line(procs[0], "base"))
+        ref = _line(procs[0], "out")
+        private_kb = int(_line(procs[0], "pss")) - base
+        procs[0].communicate("\n", timeout=60)
+        assert private_kb > 0.9 * copy_kb, (private_kb, copy_kb)  # the measure sees a copy
+        shared = [_replica("shared", model) for _ in range(2)]
+        procs += shared
+        bases = [int(_line(p, "base")) for p in shared]
+        outs = [_line(p, "out") for p in shared]
+        pss = [int(_line(p, "pss")) for p in shared]
+        assert outs == [ref, ref]  # token for token
+        above = sum(pss) - sum(bases)
+        assert above <= 1.2 * copy_kb, (above, copy_kb)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.communicate("\n", timeout=60)

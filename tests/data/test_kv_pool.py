@@ -305,6 +305,42 @@ async def test_cross_node_pull_and_concurrent_misses_share_one_transfer(make: An
     assert b.stats()["pinned"] == 0 and (await meta.dump("kv"))["locks"] == {}
 
 
+async def test_a_shared_l1_is_read_in_place_by_a_colocated_pool(make: Any) -> None:
+    meta = MemoryMetadata()
+    a = make(name="kv", metadata=meta, capacity={"l1": 4, "l2": 0}, shared_l1=True)
+    b = make(name="kv", metadata=meta, capacity={"l1": 4, "l2": 0})
+    keys = of.chain_hashes([[i] for i in range(3)])
+    slots = await a.alloc("w", 3)
+    data = [fill_page(a, s, i) for i, s in enumerate(slots)]
+    await a.publish("s", keys, slots)
+    m = await b.match("s", keys, "r")
+    assert m.pages == 3 and b.stats()["shared"] == 3
+    assert a.stats()["bytes_moved"] == b.stats()["bytes_moved"] == 0
+    for key, slot, d in zip(keys, m.slots, data, strict=True):
+        assert same(b, slot, d)
+        page = a._core.lookup(key)
+        assert page is not None and page.tier == L1
+        mine = a.storage("l0", "k")[page.index]
+        mine.add_(1.0)  # a's write is b's read: one shared memory, no copy
+        assert torch.equal(b.view(slot, "l0", "k"), mine)
+        mine.sub_(1.0)
+    await a.release("w")
+    with pytest.raises(of.PoolExhaustedError):
+        await a.alloc("burst", 4)  # b's replica lock keeps its pages where b reads them
+    await b.release("r")
+    assert len(await a.alloc("burst", 4)) == 4  # (l2 0: the unlocked chain is dropped)
+    b.validate()
+    a.validate()
+
+
+def test_a_colocated_pool_is_sized_before_it_opens() -> None:
+    pool = of.ParamsPool("kv", LAYOUT, {"l1": 1, "l2": 0})
+    pool.colocate(7, shared=True)
+    assert pool.capacity["l1"] == 7 and pool.shared_l1
+    with pytest.raises(of.DataError, match="l1_pages must be an int >= 1"):
+        pool.colocate(0, shared=True)
+
+
 async def test_same_node_pools_share_l2_pages_in_place(make: Any) -> None:
     meta = MemoryMetadata()
     a = make(name="kv", metadata=meta, capacity={"l1": 4, "l2": 8})

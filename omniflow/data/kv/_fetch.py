@@ -116,7 +116,8 @@ class PoolFetch(PoolMoves):
             if here and _pid_gone(info.get("pid")):
                 await self._vanished(provider, want, "its process is gone", proven=True)
                 continue
-            if not want.local and here and info.get("shm") and tier == L2:
+            shared = info.get("shm") if tier == L2 else info.get("shm1") if tier == L1 else ""
+            if not want.local and here and shared:
                 got = await self._share(keys[:n], provider, info, owner, want)
             elif info.get("addr") and self._client is not None:
                 if want.budget.left() <= 0:
@@ -156,13 +157,15 @@ class PoolFetch(PoolMoves):
             from omniflow.data.kv._tiers import ForeignL2
 
             try:
-                self._attached[provider] = ForeignL2(self.layout, info["shm"], int(info["l2"]))
+                l1 = int(info["l1"]) if info.get("shm1") else 0
+                prefix = info.get("shm") or info.get("shm1", "")
+                self._attached[provider] = ForeignL2(self.layout, prefix, int(info["l2"]), l1)
             except (DataError, ValueError, OSError) as exc:
                 gone = isinstance(exc.__cause__, FileNotFoundError)
                 await self._vanished(provider, want, str(exc), proven=gone)
                 return []
         locs = await meta.lock(self.name, self.node, provider, keys)
-        pages = [self._l2_page(loc, info) for loc in locs]
+        pages = [self._shared_page(loc, info) for loc in locs]
         n = 0
         while n < len(pages) and pages[n] is not None:  # in this provider's l2 (and in range)
             n += 1
@@ -172,25 +175,28 @@ class PoolFetch(PoolMoves):
         out = []
         for key, page in zip(keys[:n], pages[:n], strict=True):
             assert page is not None
-            index, fill = page
+            tier, index, fill = page
             slot = next(self._foreign_ids)
-            f = self._foreign[slot] = Foreign(provider, index, key, fill)
+            f = self._foreign[slot] = Foreign(provider, index, key, fill, tier)
             f.owners.add(owner)
             self._owner_foreign.setdefault(owner, set()).add(slot)
             out.append(slot)
         self.counters["shared"] += n
         return out
 
-    def _l2_page(self, loc: str | None, info: Mapping[str, str]) -> tuple[int, int] | None:
-        """``(index, fill)`` of a location in a provider's L2 that lies inside it, else None
-        (locations come from the metadata: never index past the mapped segment)."""
+    def _shared_page(self, loc: str | None, info: Mapping[str, str]) -> tuple[int, int, int] | None:
+        """``(tier, index, fill)`` of a location in a provider's shared tier (its L2, or its L1
+        when shared) that lies inside it, else None (locations come from the metadata: never
+        index past the mapped segment)."""
         try:
             tier, index, fill = parse_loc(loc or "")
-            l2 = int(info.get("l2", "0"))
+            size = int(info.get("l2", "0")) if tier == L2 else 0
+            if tier == L1 and info.get("shm1"):
+                size = int(info.get("l1", "0"))
         except ValueError:
             return None
-        ok = tier == L2 and 0 <= index < l2 and 0 <= fill <= self.layout.page_tokens
-        return (index, fill) if ok else None
+        ok = 0 <= index < size and 0 <= fill <= self.layout.page_tokens
+        return (tier, index, fill) if ok else None
 
     async def _pull(
         self, keys: list[str], provider: str, info: dict[str, str], owner: str, want: Want

@@ -49,7 +49,7 @@ class ParamsPool(PoolSubscriptions):
         self.layout.check_coord(sub_name, slice_name)
         f = self._foreign.get(slot)
         if f is not None:
-            return self._attached[f.provider].view(f.index, sub_name, slice_name)
+            return self._attached[f.provider].view(f.index, sub_name, slice_name, f.tier)
         s = self._slot(slot)
         return store.store(s.tier, sub_name, slice_name)[s.index]
 

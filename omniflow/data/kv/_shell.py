@@ -70,13 +70,16 @@ def check_owner(pool: str, owner: Any) -> str:
 
 
 class Foreign:
-    """A page of another process's L2 on this host, viewed in place and locked for readers."""
+    """A page of another process's shared tier (its L2, or a co-located pool's shared L1) on
+    this host, viewed in place and locked for readers."""
 
-    __slots__ = ("fill", "index", "key", "owners", "provider")
+    __slots__ = ("fill", "index", "key", "owners", "provider", "tier")
 
-    def __init__(self, provider: str, index: int, key: str, fill: int) -> None:
-        #: The node whose L2 holds it, the index there, its hash and fill.
+    def __init__(self, provider: str, index: int, key: str, fill: int, tier: int = 1) -> None:
+        #: The node whose shared tier holds it, the tier (1: L2, 0: a shared L1), the index
+        #: there, its hash and fill.
         self.provider = provider
+        self.tier = tier
         self.index = index
         self.key = key
         self.fill = fill
@@ -102,6 +105,7 @@ class PoolShell:
         cluster_key: str | bytes | None = None,
         pull_timeout: float = 30.0,
         provider_ttl: float | None = 30.0,
+        shared_l1: bool = False,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise DataError(f"ParamsPool name must be a non-empty str, got {name!r}")
@@ -121,6 +125,8 @@ class PoolShell:
         self.name = name
         self.layout = layout
         self.capacity = {t: int(cap.get(t, 0)) for t in TIERS}
+        #: L1 in named host shared memory: co-located processes read its pages in place.
+        self.shared_l1 = bool(shared_l1)
         self.l3_dir = l3_dir
         self.metadata = metadata
         self._device = device
@@ -186,6 +192,24 @@ class PoolShell:
         #: Seals the notices of this pool's publishes, opens those it gets (made at open).
         self._seal: NoticeSeal | None = None
 
+    def colocate(self, l1_pages: int, *, shared: bool) -> None:
+        """Size this process's share of a co-located pool before it opens (``KvPoolBarrier``):
+        ``l1_pages`` L1 pages, in shared memory when ``shared`` (partners in other processes of
+        this node then view its pages in place)."""
+        if self._store is not None or self._opening is not None:
+            if self.capacity["l1"] == l1_pages and self.shared_l1 == shared:
+                return
+            raise DataError(
+                f"pool '{self.name}' is already open with {self.capacity['l1']} L1 pages; a "
+                "co-located pool is sized by its barrier before anyone opens it: let the engines "
+                "open it (do not use it in setup() before they started)"
+            )
+        if isinstance(l1_pages, bool) or not isinstance(l1_pages, int) or l1_pages < 1:
+            raise DataError(f"pool '{self.name}': l1_pages must be an int >= 1, got {l1_pages!r}")
+        self.capacity["l1"] = l1_pages
+        self.shared_l1 = shared
+        self._core = SlotCore(self.capacity, name=self.name)
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def open(self) -> None:
@@ -217,6 +241,7 @@ class PoolShell:
                 prefix=prefix,
                 l3_dir=self.l3_dir,
                 device=self._device,
+                shared_l1=self.shared_l1,
             )
             address = ""
             if self._serve:
@@ -231,6 +256,8 @@ class PoolShell:
                 "pid": str(os.getpid()),
                 "shm": prefix if self.capacity["l2"] else "",
                 "l2": str(self.capacity["l2"]),
+                "shm1": prefix if self.shared_l1 and self.capacity["l1"] else "",
+                "l1": str(self.capacity["l1"]),
                 "addr": address,
                 "layout": self.layout.canonical_json(),
                 "lid": self.layout.layout_id,

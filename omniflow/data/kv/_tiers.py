@@ -63,12 +63,21 @@ class TierStore:
         prefix: str,
         l3_dir: str | None = None,
         device: str | torch.device | None = None,
+        shared_l1: bool = False,
     ) -> None:
         self.layout = layout
         self.capacity = tuple(capacity)
         #: Name prefix of the L2 segments and L3 files (``{prefix}_{coord index}``).
         self.prefix = prefix
         self.device = torch.device(device) if device is not None else default_device()
+        if shared_l1 and self.device.type != "cpu":
+            raise DataError(
+                f"params pool '{prefix}': a shared L1 on {self.device} needs CUDA IPC, which this "
+                "build does not implement (no GPU to test it on); co-locate such roles in one "
+                "process (one Deploy process group) or keep the pool's L1 private"
+            )
+        #: L1 in named shared memory (``{prefix}l1_{i}``): co-located processes view it in place.
+        self.shared_l1 = shared_l1
         coords = layout.coords()
         self._index = {c: i for i, c in enumerate(coords)}
         self._stores: list[dict[tuple[str, str], torch.Tensor]] = [{}, {}, {}]
@@ -80,6 +89,12 @@ class TierStore:
             dt = _dtype(layout.dtype)
             for c in coords:
                 shape = (self.capacity[L1], layout.page_tokens, *layout.slice_shape(c[1]))
+                if shared_l1 and self.capacity[L1]:
+                    nbytes = self.capacity[L1] * layout.coord_bytes(c[1])
+                    seg = Segment.create(f"{prefix}l1_{self._index[c]}", nbytes)
+                    self._segments.append(seg)
+                    self._stores[L1][c] = _shaped(seg._mmap, layout, self.capacity[L1], c[1])
+                    continue
                 # Not zeroed: a page is always written (by its owner, a readback or a pull)
                 # before it is read, and zeroing every L1 page at startup costs a full pass.
                 self._stores[L1][c] = torch.empty(shape, dtype=dt, device=self.device)
@@ -253,21 +268,32 @@ class Runs:
 
 
 class ForeignL2:
-    """Another process's L2 on this host, mapped by name: zero-copy views of its pages."""
+    """Another process's shared tiers on this host, mapped by name: zero-copy views of its
+    pages. Its L2 always when it has one; its L1 too when that is shared (a co-located pool:
+    ``l1_pages`` > 0, segments ``{prefix}l1_{i}``)."""
 
-    def __init__(self, layout: PageLayout, prefix: str, pages: int) -> None:
+    def __init__(self, layout: PageLayout, prefix: str, pages: int, l1_pages: int = 0) -> None:
         self.prefix = prefix
-        self._segments = [Segment.attach(f"{prefix}_{i}") for i in range(len(layout.coords()))]
-        self._stores = {
-            c: _shaped(seg._mmap, layout, pages, c[1])
-            for c, seg in zip(layout.coords(), self._segments, strict=True)
-        }
+        coords = layout.coords()
+        self._segments: list[Segment] = []
+        self._stores: list[dict[tuple[str, str], torch.Tensor]] = [{}, {}]
+        try:
+            for tier, count, fmt in ((L2, pages, "{}_{}"), (L1, l1_pages, "{}l1_{}")):
+                if count <= 0:
+                    continue
+                for i, c in enumerate(coords):
+                    seg = Segment.attach(fmt.format(prefix, i))
+                    self._segments.append(seg)
+                    self._stores[tier][c] = _shaped(seg._mmap, layout, count, c[1])
+        except BaseException:
+            self.close()
+            raise
 
-    def view(self, index: int, sub_name: str, slice_name: str) -> torch.Tensor:
-        return self._stores[(sub_name, slice_name)][index]
+    def view(self, index: int, sub_name: str, slice_name: str, tier: int = L2) -> torch.Tensor:
+        return self._stores[tier][(sub_name, slice_name)][index]
 
     def close(self) -> None:
-        self._stores = {}
+        self._stores = [{}, {}]
         for seg in self._segments:
             seg.close()
 
