@@ -371,3 +371,17 @@ def test_the_checks_see_dates_hashes_and_broken_links() -> None:
     assert _DATED.search("measured 2026-11-28") and _DATED.search("after 8fcc22b")
     assert not _DATED.search("1000000 frames, a deadbeef-free line, 0xFFFFFFFF")
     assert _LINK.findall("see [x](a.md#b) and ![img](img/p.png)") == ["a.md#b", "img/p.png"]
+
+
+_CITED = re.compile(r"(tests/[\w/]+\.py)((?:,?\s*::\w+)*)")
+
+
+@pytest.mark.parametrize("doc", [*REFERENCE_PAGES, "design/ARCHITECTURE.md"])
+def test_every_test_a_page_cites_exists(doc: str) -> None:
+    """``tests/x.py::test_a, ::test_b``: the invariants lists name the tests that hold them."""
+    for m in _CITED.finditer((ROOT / doc).read_text()):
+        path = ROOT / m.group(1)
+        assert path.exists(), f"{doc} cites {m.group(1)}, which is not there"
+        source = path.read_text()
+        for name in re.findall(r"::(\w+)", m.group(2)):
+            assert re.search(rf"def {name}\b", source), f"{doc} cites {m.group(1)}::{name}"
