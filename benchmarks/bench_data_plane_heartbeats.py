@@ -11,7 +11,7 @@ worker -> front -> worker), ``heartbeat_misses`` out of the way, and a task in t
 looks at every replica's ``last_seen`` at the supervisor's tick (a quarter interval), skipping
 ticks where the front's own loop stalled, as the supervisor does. It prints the longest
 silence seen, in seconds and in intervals: ``heartbeat_misses`` must stay well above it (see
-design/ARCHITECTURE.md, *Failure model*).
+docs/failure.md, *Heartbeats*).
 """
 
 from __future__ import annotations

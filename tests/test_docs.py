@@ -306,3 +306,83 @@ def test_shell_script_backgrounds_a_foreground_server() -> None:
     assert "curl -N localhost:1234/v1/graphs -d '{}'\n" in script
     background = shell_script("{ omniflow serve g.py --port 8000 & } && curl x", 1)
     assert 'ready "$!"' not in background
+
+
+# -- the reference pages ---------------------------------------------------------------------
+
+#: The reference pages: short, present tense, their links whole. docs/api.md (the API, run
+#: above) and docs/contract.md (the team's text, copied) are not held to this.
+REFERENCE_PAGES = sorted(
+    str(p.relative_to(ROOT))
+    for p in (ROOT / "docs").glob("*.md")
+    if p.name not in {"api.md", "contract.md"}
+)
+#: Pages that must stay short; benchmarks/journal/ (the dated history) is exempt.
+SHORT_PAGES = [*REFERENCE_PAGES, "design/ARCHITECTURE.md", "benchmarks/README.md"]
+MAX_LINES = 300
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+#: A date (2026-11-28) or a commit hash (7-40 hex digits, at least one letter and one digit).
+_DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+
+
+def prose(doc: str) -> list[tuple[int, str]]:
+    """The lines of a page outside its fenced code blocks, with their 1-based numbers."""
+    inside = {n for b in blocks(doc) for n in range(b.line, b.line + b.code.count("\n") + 2)}
+    lines = (ROOT / doc).read_text().splitlines()
+    return [(n, line) for n, line in enumerate(lines, 1) if n not in inside]
+
+
+def test_the_reference_pages_are_there() -> None:
+    for name in ("call-core", "cluster", "fast-path", "data-plane", "params-pool", "compute"):
+        assert f"docs/{name}.md" in REFERENCE_PAGES
+    for name in ("serving", "security", "failure"):
+        assert f"docs/{name}.md" in REFERENCE_PAGES
+
+
+@pytest.mark.parametrize("doc", SHORT_PAGES)
+def test_a_page_is_short(doc: str) -> None:
+    n = len((ROOT / doc).read_text().splitlines())
+    assert n <= MAX_LINES, (
+        f"{doc} has {n} lines (at most {MAX_LINES}): split it by concern into a page of docs/, "
+        "or move dated history to benchmarks/journal/"
+    )
+
+
+@pytest.mark.parametrize("doc", [*SHORT_PAGES, "README.md"])
+def test_every_relative_link_resolves(doc: str) -> None:
+    for n, line in prose(doc):
+        for target in _LINK.findall(line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL (https:, mailto:) or an anchor of this page
+            path = (ROOT / doc).parent / target.split("#")[0]
+            assert path.exists(), f"{doc}:{n}: the link {target!r} names no file"
+
+
+@pytest.mark.parametrize("doc", [*REFERENCE_PAGES, "design/ARCHITECTURE.md"])
+def test_a_reference_page_has_no_dates_or_commit_hashes(doc: str) -> None:
+    for n, line in prose(doc):
+        m = _DATED.search(line)
+        assert m is None, (
+            f"{doc}:{n}: {m.group(0)!r}: reference pages say what is, not when it changed; "
+            "dated measurements go to benchmarks/journal/, history to the commit log"
+        )
+
+
+def test_the_checks_see_dates_hashes_and_broken_links() -> None:
+    assert _DATED.search("measured 2026-11-28") and _DATED.search("after 8fcc22b")
+    assert not _DATED.search("1000000 frames, a deadbeef-free line, 0xFFFFFFFF")
+    assert _LINK.findall("see [x](a.md#b) and ![img](img/p.png)") == ["a.md#b", "img/p.png"]
+
+
+_CITED = re.compile(r"(tests/[\w/]+\.py)((?:,?\s*::\w+)*)")
+
+
+@pytest.mark.parametrize("doc", [*REFERENCE_PAGES, "design/ARCHITECTURE.md"])
+def test_every_test_a_page_cites_exists(doc: str) -> None:
+    """``tests/x.py::test_a, ::test_b``: the invariants lists name the tests that hold them."""
+    for m in _CITED.finditer((ROOT / doc).read_text()):
+        path = ROOT / m.group(1)
+        assert path.exists(), f"{doc} cites {m.group(1)}, which is not there"
+        source = path.read_text()
+        for name in re.findall(r"::(\w+)", m.group(2)):
+            assert re.search(rf"def {name}\b", source), f"{doc} cites {m.group(1)}::{name}"

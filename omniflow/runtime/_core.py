@@ -10,7 +10,7 @@ core never sees a task and the shell never writes core state: the shell keeps it
 activation -> task map. Nothing here awaits, sleeps or touches a socket, so every rule is
 tested by feeding stimuli.
 
-Vocabulary (design/ARCHITECTURE.md has the long form):
+Vocabulary (design/ARCHITECTURE.md, "Words we use", has the long form):
 
 * entry  -- ``(node, stream id, index)``: one frame of a stamping node (a diamond root or a
   SeqId producer). Frames carry a *table*: the entries they descend from, oldest first.

@@ -6,7 +6,7 @@ worker (``_worker``), which differ only in where a frame goes.
 >>> error = await drive(agen, push)                               # doctest: +SKIP
 
 Every role method runs inside one ``asyncio.Task`` from its first step to its end
-(design/ARCHITECTURE.md, *Role methods run in tasks*). A task is costly next to a method that
+(docs/concurrency.md, *Role methods run in tasks*). A task is costly next to a method that
 returns at once (most methods on the hot path), so the shells share one: a *walker* is an
 eagerly started task (:func:`eager_task`: its first step runs now, inside the task, as Python
 3.12's ``eager_start`` does) that runs ready methods of one call one after another. A method
@@ -167,7 +167,7 @@ async def drive(
     ``space()`` returns something to await while the consumer is congested (None: go on).
     With ``flush``, what the pushed frames make downstream is started by ``flush()``: before
     the generator suspends, after ``burst`` frames, and at its end; frames it yields without
-    suspending are handed over together, inside this task's one step (design/ARCHITECTURE.md,
+    suspending are handed over together, inside this task's one step (docs/concurrency.md,
     *Role methods run in tasks*). Returns the error the method ended with (None: it finished,
     or was stopped by ``push``); the generator is closed in every case.
     """

@@ -3,12 +3,12 @@
 >>> async with of.Runtime(graph) as rt:                         # doctest: +SKIP
 ...     out = await rt.run("t2i", {"request": req})
 
-Concurrency model (design/ARCHITECTURE.md, "Concurrency"): one event loop, no locks. Every
+Concurrency model (docs/concurrency.md, "Concurrency"): one event loop, no locks. Every
 scheduling decision is a synchronous call into a ``CallCore``; between two awaits nothing else
 runs, so no decision can interleave with another. Every method runs inside one asyncio.Task
 from its first step to its end: a call's ready methods run one after another in an eagerly
 started *walker* task, and a method that suspends keeps its walker to its end while the rest
-go on in another (``_walk``; design/ARCHITECTURE.md, "Role methods run in tasks"). A chain of
+go on in another (``_walk``; docs/concurrency.md, "Role methods run in tasks"). A chain of
 cheap nodes therefore costs one task, while a slow node never holds anyone else back.
 """
 

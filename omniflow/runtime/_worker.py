@@ -506,8 +506,8 @@ class Worker:
         """Handle received messages; what they make leaves once all are handled, batched.
         A batch of one ``Run`` or ``Forward`` (each hop of a chain) has nothing to batch
         with: what it makes leaves at once (``_direct``), the same messages as from the
-        flush, but its end first and its forwards right after (design/ARCHITECTURE.md, *A
-        batch of one run*): the front accounts for the hop while the next worker runs."""
+        flush, but its end first and its forwards right after (docs/fast-path.md, *A batch
+        of one run*): the front accounts for the hop while the next worker runs."""
         self._reading = True
         try:
             for peer, frames in batch:

@@ -1,7 +1,7 @@
 """The front's claim of forwarded runs whose forwarder was lost (unit level): the frame that
 reported a forward may reach the front before the forward leaves the worker's queues, so a
 run the front bound may die with its forwarder. The front asks each replica that should hold
-such runs which ones it does not; those fail, the rest run on (design/ARCHITECTURE.md,
+such runs which ones it does not; those fail, the rest run on (docs/fast-path.md,
 *Losing a forwarder*)."""
 
 from __future__ import annotations

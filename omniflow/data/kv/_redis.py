@@ -19,7 +19,7 @@ Leases are timed by the Redis server's clock (``TIME`` inside the scripts), so t
 clocks never need to agree.
 
 The scripts build key names from the prefix, so they assume one Redis (no Cluster). What each
-guarantees is in ``design/ARCHITECTURE.md`` ("Global Params Pool").
+guarantees is in ``docs/params-pool.md`` ("Metadata").
 """
 
 from __future__ import annotations
