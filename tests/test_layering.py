@@ -205,6 +205,68 @@ def test_layers_form_no_cycle() -> None:
         visit(layer, ())
 
 
+def module_cycles(package_dir: Path) -> list[list[str]]:
+    """The import circles among the modules of the package (every import counted, lazy and
+    ``TYPE_CHECKING`` ones too; importing a package's ``__init__`` is no edge): each a sorted
+    list of modules that import each other, directly or through one another (Tarjan)."""
+    known = module_names(package_dir)
+    inits = {m for m, p in known.items() if p.name == "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        targets = {_resolve(t, known) for _, t in _imports(path, module, module in inits)}
+        graph[module] = {t for t in targets if t in known and t not in inits and t != module}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import circle anywhere in the package: a circle means two modules are one concept
+    split in two, or a helper reaching back into its owner."""
+    assert module_cycles(PACKAGE_DIR) == []
+
+
+def test_the_circle_check_finds_a_lazy_and_a_type_only_circle(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "runtime/_a.py": "def f():\n    from omniflow.runtime._b import g\n",
+            "runtime/_b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from omniflow.runtime._a import f\n",
+            "runtime/_c.py": "from . import _a\n",
+        },
+    )
+    assert module_cycles(root) == [["runtime._a", "runtime._b"]]
+
+
 # -- the checker itself, on synthetic trees ------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from omniflow.compute._colocate import PoolSeat
 from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import EngineError, EngineProcessError, ModelLoadError
 from omniflow.compute._kv import PagePool
+from omniflow.compute._pool import resolve_pool
 
 __all__ = [
     "EngineBase",
@@ -318,8 +319,6 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
 
     async def _open(self, model: Any) -> None:
         """Resolve the pool, build the runner and the scheduler; the engine is then ready."""
-        from omniflow.compute._pool import resolve_pool
-
         if self._ready is None or self._ready.done():
             return
         self.kv_pool = await resolve_pool(self, model)

@@ -10,7 +10,6 @@ the checkpoint is refused naming it (``_weights.check_tensors``): a weight is ne
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +17,7 @@ import torch
 
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import ModelLoadError
+from omniflow.compute._files import shard_files
 from omniflow.compute._model import LlamaModel
 from omniflow.compute._rope import inv_frequencies
 from omniflow.compute._weights import check_tensors
@@ -67,31 +67,6 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: _SavedDtype, device: torch.devi
     return _DTYPES[dtype]
 
 
-def _shard_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"{index} names shards that are not on disk: {missing}", path=str(index)
-            )
-        return [model_dir / n for n in names]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"model directory {str(model_dir)!r} has no *.safetensors weights "
-            "(pytorch_model.bin is not read: convert it with "
-            "save_pretrained(safe_serialization=True))",
-            path=str(model_dir),
-        )
-    return files
-
-
 def load_weights(
     model_dir: Path, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -99,7 +74,7 @@ def load_weights(
     from safetensors import SafetensorError, safe_open
 
     weights: dict[str, torch.Tensor] = {}
-    for path in _shard_files(model_dir):
+    for path in shard_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__

@@ -10,7 +10,7 @@ A pool and its engine agree on layout, dtype and device: ``placement`` resolves 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,9 +19,6 @@ from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import EngineError
 from omniflow.compute._kv import PagePool, kv_slices, layer_names
 from omniflow.compute._loader import resolve_device, resolve_dtype
-
-if TYPE_CHECKING:
-    from omniflow.compute._base import EngineBase
 
 __all__ = ["chain_hashes", "layout_for", "placement", "pool_for", "resolve_pool", "same_device"]
 
@@ -82,7 +79,19 @@ def layout_for(cfg: ModelConfig, *, page_tokens: int = 16, dtype: str = "float32
     )
 
 
-async def resolve_pool(engine: EngineBase[Any, Any, Any], model: Any) -> PagePool:
+class PoolUser(Protocol):
+    """What ``resolve_pool`` reads of an engine (``EngineBase``)."""
+
+    #: A ParamsPool, the name of the graph's pool, or None (a private pool).
+    _pool_arg: Any
+    #: The private pool's size and page size.
+    pool_pages: int
+    page_tokens: int
+    #: Set when the engine made (and so owns) its pool.
+    _own_pool: bool
+
+
+async def resolve_pool(engine: PoolUser, model: Any) -> PagePool:
     """The engine's pool: the object given, the graph's pool of that name, or a private one.
 
     ``model`` is any of our models: ``cfg`` (``num_layers``, ``num_kv_heads``, ``head_dim``),

@@ -15,7 +15,7 @@ with sampling, and decoding goes on as for any request.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,10 +25,17 @@ from omniflow.compute._inputs import _check_ids, _check_rows
 from omniflow.compute._sequence import EMBED
 
 if TYPE_CHECKING:
-    from omniflow.compute._engine import TorchEngine
     from omniflow.compute._stream import Stream
 
 __all__ = ["SegmentFeeds", "split_segment"]
+
+
+class Engine(Protocol):
+    """What the feeds need of their engine (``TorchEngine``): cancel a stream, wake its loop."""
+
+    _wake: asyncio.Event
+
+    def _cancel(self, stream: Stream) -> None: ...
 
 
 def split_segment(segment: Any) -> list[Any]:
@@ -62,7 +69,7 @@ class _Open:
 class SegmentFeeds:
     """The engine's open requests and the segments waiting to join them."""
 
-    def __init__(self, engine: TorchEngine, cfg: ModelConfig) -> None:
+    def __init__(self, engine: Engine, cfg: ModelConfig) -> None:
         self.engine = engine
         self.cfg = cfg
         self._open: dict[str, _Open] = {}

@@ -27,7 +27,7 @@ import torch
 
 from omniflow.compute import _shm
 from omniflow.compute._errors import EngineError, ModelLoadError
-from omniflow.compute._loader import _shard_files
+from omniflow.compute._files import shard_files
 
 __all__ = ["SkipCopyBuffer", "SkipCopyParameter", "shared_module"]
 
@@ -102,7 +102,7 @@ def _fill(
     from safetensors import safe_open
 
     wanted = set(views)
-    for path in _shard_files(weights_dir):
+    for path in shard_files(weights_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -292,7 +292,7 @@ def checkpoint_key(weights_dir: str | os.PathLike[str], dtype: torch.dtype) -> s
     import hashlib
 
     h = hashlib.sha256(str(dtype).encode())
-    for path in _shard_files(Path(weights_dir)):
+    for path in shard_files(Path(weights_dir)):
         st = path.stat()
         memo = (str(path.resolve()), st.st_size, st.st_mtime_ns)
         digest = _DIGESTS.get(memo)
@@ -331,7 +331,7 @@ def load_shared_weights(weights_dir: str | os.PathLike[str], dtype: torch.dtype)
 
     root = Path(weights_dir)
     shapes: dict[str, list[int]] = {}
-    for path in _shard_files(root):
+    for path in shard_files(root):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
