@@ -22,7 +22,7 @@
     ├── ReplicaStateError   a replica moved between states it cannot (runtime/_replica.py)
     ├── ValueEncodingError  a value cannot be written as JSON for the HTTP edge (serve/_codec.py)
     ├── ValueDecodingError  a JSON value of a request cannot be read back (serve/_codec.py)
-    └── _Unsendable         a worker's frame cannot be sent; it fails the activation (_worker)
+    └── _Unsendable         a worker's frame cannot be sent; it fails the activation (_worker_held)
 
 Every exception carries structured fields and survives pickling, so an error raised in a worker
 process reaches the caller intact.

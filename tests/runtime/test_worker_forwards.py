@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniflow.runtime._forward import Route
-from omniflow.runtime._worker import Worker, _Fw, _FwdBatch, _Link
+from omniflow.runtime._worker import Worker
+from omniflow.runtime._worker_held import Fw, FwdBatch, Link
 from omniflow.transport._auth import PlainOpener, PlainSealer
 from omniflow.transport._base import Packet
 from omniflow.transport._protocol import (
@@ -75,7 +76,7 @@ def records(msgs: list[tuple[str, Any]]) -> list[tuple[str, Forward]]:
 def running(w: Worker, peer: bytes, a: int, routes: tuple[Route, ...], c: str = "c") -> None:
     """Activation ``a`` of call ``c`` from ``peer`` runs here with fast-path ``routes``."""
     front = w._fronts[peer]
-    w._fw[(peer, c, a)] = _Fw(routes, Run(c, a, "n0", {}, "sess", 0, 7, "g"), front)
+    w._fw[(peer, c, a)] = Fw(routes, Run(c, a, "n0", {}, "sess", 0, 7, "g"), front)
 
 
 #: What a handled batch makes: (front, call, route, value) of activations that return a frame.
@@ -165,8 +166,8 @@ def test_forwards_of_other_calls_or_a_list_value_break_the_run_in_place() -> Non
 
 
 def test_a_value_the_wire_cannot_carry_is_not_forwarded_the_others_are() -> None:
-    fw = _Fw((ROUTE1,), Run("c", 1, "n0", {}, None, 0, 0, "g"), "token-a")
-    held = _FwdBatch(fw, ROUTE1, "1.0.0", 1, 0)
+    fw = Fw((ROUTE1,), Run("c", 1, "n0", {}, None, 0, 0, "g"), "token-a")
+    held = FwdBatch(fw, ROUTE1, "1.0.0", 1, 0)
     held.as_ += ["1.1.0", "1.2.0"]
     held.vs += ["\ud800", 3]  # (a lone surrogate: not UTF-8)
     held.qs += [0, 0]
@@ -261,9 +262,9 @@ def test_forwards_held_for_a_worker_lost_in_the_same_batch_are_dropped_not_linke
         def close(self) -> None:
             pass
 
-    def link(address: str) -> _Link:
+    def link(address: str) -> Link:
         linked.append(address)
-        return w._links.setdefault(address, _Link(FakeEndpoint(address), PlainSealer()))
+        return w._links.setdefault(address, Link(FakeEndpoint(address), PlainSealer()))
 
     w._link = link  # type: ignore[method-assign]
     try:
