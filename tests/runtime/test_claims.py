@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniflow.runtime._fleet import Replica
-from omniflow.runtime._remote import RemoteRoles, _Pending
+from omniflow.runtime._remote import RemoteRoles
+from omniflow.runtime._remote_pending import Pending
 from omniflow.runtime._replica import ReplicaEvent
 from omniflow.transport._protocol import Claim, Claimed, decode_msg
 
@@ -37,7 +38,7 @@ def _bind(rr: RemoteRoles, c: str, wid: str, target: Replica, via: Replica | Non
     core = SimpleNamespace(c=SimpleNamespace(specs={"m.run": SimpleNamespace(role="m")}))
     call = SimpleNamespace(call_id=c, graph="g")
     key = (c, wid)
-    rr._pending[key] = _Pending(rr, key, call, core, act, [target], (), via)  # type: ignore[arg-type]
+    rr._pending[key] = Pending(rr, key, call, core, act, [target], (), via)  # type: ignore[arg-type]
     target.held.add(key)
 
 
@@ -100,7 +101,7 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
             rr._on_message(reps[t], Claimed(r, c, [*sorted(lost), "9.9.9"]))  # (one not asked)
             rr._on_message(reps[t], Claimed(r, c, []))  # (answered already: foreign)
             failed |= {(c, w) for w in lost}
-        assert rr._claims == {}
+        assert rr._fast.claims == {}
         now_ended = {w: e for w, e in ended if w not in ended_by_loss}
         assert set(now_ended) == {w for _, w in failed}
         assert len(now_ended) == len([w for w, _ in ended if w not in ended_by_loss])
@@ -109,7 +110,7 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
             t = bound[(c, w)][1]
             assert "replica lost" in str(err) and "'r0'" in str(err) and f"'r{t}'" in str(err)
             assert (c, w) not in rr._pending and (c, w) not in reps[t].held
-            assert rr._orphans[c][w] is reps[t]  # (what it may still send is dropped)
+            assert rr._fast.orphans[c][w] is reps[t]  # (what it may still send is dropped)
         for key, (_v, t) in bound.items():
             if t != 0 and key not in failed:
                 assert key in rr._pending and key in reps[t].held
@@ -127,10 +128,10 @@ def test_a_claim_for_a_replica_that_is_then_lost_is_forgotten() -> None:
         _bind(rr, "c", "1.0.0", r1, r0)
         rr._on_lost(r0, "killed")
         [claim] = _claims(r1)
-        assert list(rr._claims) == [claim.r]
+        assert list(rr._fast.claims) == [claim.r]
         r1.life.apply(ReplicaEvent.LOST)
         rr._on_lost(r1, "killed")
-        assert rr._claims == {}
+        assert rr._fast.claims == {}
         [(wid, err)] = ended
         assert wid == "1.0.0" and "'r1'" in str(err)  # (lost with the replica that held it)
 

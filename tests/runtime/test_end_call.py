@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from omniflow.runtime import _remote
+from omniflow.runtime import _remote_ends
 from omniflow.runtime._fleet import Replica
 from omniflow.runtime._remote import RemoteRoles
 from omniflow.runtime._replica import ReplicaEvent
@@ -45,7 +45,7 @@ async def test_the_end_waits_for_every_worker_asked_and_a_lost_one_counts_as_rel
     rr = _front()
     reps = [Replica(f"r{i}", ["m"], f"uds:///r{i}") for i in range(4)]
     reps[3].life.apply(ReplicaEvent.LOST)  # lost before the end: not asked, not waited for
-    rr._call_replicas["c1"] = set(reps)
+    rr._ends.replicas["c1"] = set(reps)
     ended = rr.end_call("c1")
     assert ended is not None
     assert [_sent(r) for r in reps] == [[EndCall("c1", True)]] * 3 + [[]]
@@ -62,7 +62,7 @@ async def test_the_end_waits_for_every_worker_asked_and_a_lost_one_counts_as_rel
     assert not ended.done()
     rr._on_message(reps[2], CallEnded("c1"))
     await asyncio.wait_for(ended, 30)  # (a hang guard)
-    assert rr._ending == {}
+    assert rr._ends.ending == {}
     rr._on_message(reps[2], CallEnded("c1"))  # late (after the end): ignored
     assert rr.fleet.wire.dropped["foreign"] == 2
 
@@ -70,24 +70,24 @@ async def test_the_end_waits_for_every_worker_asked_and_a_lost_one_counts_as_rel
 async def test_without_pools_nothing_is_acknowledged_or_waited_for() -> None:
     rr = _front(track_calls=False)
     rep = Replica("r0", ["m"], "uds:///r0")
-    rr._call_replicas["c1"] = {rep}
+    rr._ends.replicas["c1"] = {rep}
     assert rr.end_call("c1") is None
     assert _sent(rep) == [EndCall("c1", False)]
     assert rr.end_call("c-none") is None  # a call that ran on no worker
-    assert rr._ending == {}
+    assert rr._ends.ending == {}
 
 
 async def test_a_worker_that_never_answers_is_let_be_after_the_timeout(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_remote, "END_CALL_TIMEOUT", 0.0)
+    monkeypatch.setattr(_remote_ends, "END_CALL_TIMEOUT", 0.0)
     rr = _front()
     rep = Replica("r0", ["m"], "uds:///r0")
-    rr._call_replicas["c1"] = {rep}
+    rr._ends.replicas["c1"] = {rep}
     ended = rr.end_call("c1")
     assert ended is not None
     await asyncio.wait_for(ended, 30)
-    assert rr._ending == {}
+    assert rr._ends.ending == {}
     assert "r0" in caplog.text and "did not confirm its end" in caplog.text
 
 

@@ -230,11 +230,11 @@ async def _front_hands_back() -> None:
         dones = Dones(["c"] * 3, ["9.0.0.0.0", "1.0.0.0.0", "1.0.0.1.0"], [None] * 3, [None] * 3)
         rest = remote._on_message(rep, dones, True)
         assert rest == Dones(["c"] * 2, ["1.0.0.0.0", "1.0.0.1.0"], [None] * 2, [None] * 2)
-        assert not remote._early  # nothing kept to replay
+        assert not remote._fast.early  # nothing kept to replay
         # Without leave to wait (the fleet's second look, or a replay), they are kept.
         assert rest is not None
         assert remote._on_message(rep, rest, False) is None
-        assert len(remote._early["c"]) == 2
+        assert len(remote._fast.early["c"]) == 2
     finally:
         await remote.fleet.close()
 
