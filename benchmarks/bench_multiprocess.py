@@ -321,7 +321,7 @@ AREAS = (
     ("other pyzmq", "/zmq/"),
     ("omniflow codec", "omniflow/transport/_codec.py"),
     ("omniflow transport endpoints", "omniflow/transport/"),
-    ("omniflow remote (front side)", "omniflow/runtime/_remote.py"),
+    ("omniflow remote (front side)", "omniflow/runtime/_remote"),
     ("omniflow call core", "omniflow/runtime/_core.py"),
     ("omniflow runtime shell + call", "omniflow/runtime/"),
     ("asyncio event loop", "/asyncio/"),

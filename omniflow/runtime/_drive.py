@@ -1,5 +1,5 @@
 """Running role methods as tasks: one set of rules for the front (``_runtime``) and the
-worker (``_worker``), which differ only in where a frame goes.
+worker (``_worker_runs``), which differ only in where a frame goes.
 
 >>> task = eager_task(walker(), contextvars.copy_context())      # doctest: +SKIP
 >>> value = await Continue(coro, fut)                             # doctest: +SKIP

@@ -10,7 +10,7 @@ message first), its process (through a ``_launch.Launcher``), the registry watch
 replicas other fronts or operators started, the heartbeat supervisor and restarts. What these
 see becomes a ``_replica.ReplicaEvent``; the legal state changes and the restart backoff are
 decided in ``_replica`` (pure). Messages about calls (frames, dones, stats, metadata calls) go
-to ``on_message``; a lost replica's activations are failed by ``on_lost`` (``_remote``).
+to ``on_message``; a lost replica's activations are failed by ``on_lost`` (``_remote_replies``).
 
 ``on_message`` may hand a message back, or what is left of it: it is about a run that another
 connection has not told the front of yet. What is left of that connection's batch then waits
