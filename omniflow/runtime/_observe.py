@@ -3,7 +3,7 @@
 >>> core = ObservedCore(compiled, "c1", metrics=rt.metrics, tracing=None)   # doctest: +SKIP
 
 The runtime builds this subclass of ``CallCore`` instead of the plain one only while metrics or
-tracing are on (``Runtime._start_call``): the plain core, and so the hot path with both off,
+tracing are on (``Calls.start``): the plain core, and so the hot path with both off,
 carries no hook at all. Everything here is read off what goes in and out of ``handle``:
 
 * an activation is *ready* when the core admits it (``_admit``: its inputs are complete) and

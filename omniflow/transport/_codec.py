@@ -50,10 +50,8 @@ numpy and torch are imported only when a message carries their values.
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -61,6 +59,20 @@ import msgpack  # type: ignore[import-untyped]
 
 from omniflow._exceptions import CodecError
 from omniflow._media import Audio, Image
+from omniflow.transport._unpack import (
+    EXT_AUDIO,
+    EXT_BIGINT,
+    EXT_BUFFER,
+    EXT_IMAGE,
+    EXT_NDARRAY,
+    EXT_PICKLE,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    NO_OOB,
+    NO_OOB_PICKLE,
+    ExtHook,
+    frame_view,
+)
 
 __all__ = [
     "MAGIC",
@@ -87,14 +99,6 @@ MAX_DEPTH = 128
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 _PREFIX = MAGIC + bytes([VERSION])
-_EXT_BUFFER = 1
-_EXT_NDARRAY = 2
-_EXT_TENSOR = 3
-_EXT_TUPLE = 4
-_EXT_PICKLE = 5
-_EXT_BIGINT = 6
-_EXT_AUDIO = 7
-_EXT_IMAGE = 8
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _KEY_TYPES = (str, int, float, bytes, type(None))
@@ -280,7 +284,7 @@ class _Packer:
                     exc.path.append(index)
                     raise
             if cls is tuple:
-                return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
+                return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
             return items
         if isinstance(obj, _BYTES_LIKE):
             return self._bytes(obj)
@@ -290,9 +294,9 @@ class _Packer:
             numpy = sys.modules["numpy"]  # an Audio or Image holds a numpy array
             if cls is Audio:
                 fields = [obj.sample_rate, self._ndarray(obj.samples, numpy, oob=True)]
-                return msgpack.ExtType(_EXT_AUDIO, msgpack.packb(fields))
+                return msgpack.ExtType(EXT_AUDIO, msgpack.packb(fields))
             pixels = self._ndarray(obj.pixels, numpy, oob=True)
-            return msgpack.ExtType(_EXT_IMAGE, msgpack.packb([pixels]))
+            return msgpack.ExtType(EXT_IMAGE, msgpack.packb([pixels]))
         if isinstance(obj, (str, int, float)):  # subclasses: IntEnum, StrEnum, np.float64
             if isinstance(obj, int) and not _INT_MIN <= obj <= _INT_MAX:
                 return self._pickled(obj) if self.pickle else _bigint(int(obj))
@@ -319,7 +323,7 @@ class _Packer:
             raise _Unsupported("nested too deeply to pickle") from None
         except Exception as exc:
             raise _Unsupported(f"cannot pickle {type(obj).__qualname__}: {exc}") from None
-        return msgpack.ExtType(_EXT_PICKLE, payload)
+        return msgpack.ExtType(EXT_PICKLE, payload)
 
     def _out_of_band(self, view: memoryview) -> int:
         self.buffers.append(view)
@@ -334,7 +338,7 @@ class _Packer:
         elif view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         index = self._out_of_band(view)
-        return msgpack.ExtType(_EXT_BUFFER, msgpack.packb([index, view.nbytes]))
+        return msgpack.ExtType(EXT_BUFFER, msgpack.packb([index, view.nbytes]))
 
     def _ndarray(self, arr: Any, np: Any, oob: bool = False) -> Any:
         dtype = arr.dtype
@@ -348,7 +352,7 @@ class _Packer:
             data = arr.tobytes()
         else:
             data = self._out_of_band(memoryview(arr.reshape(-1).view(np.uint8)))
-        return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([dtype.str, shape, data]))
+        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([dtype.str, shape, data]))
 
     def _tensor(self, tensor: Any, torch: Any) -> Any:
         if tensor.layout is not torch.strided or tensor.is_quantized:
@@ -361,11 +365,11 @@ class _Packer:
         else:
             data = self._out_of_band(memoryview(flat.numpy()))
         name = str(tensor.dtype).removeprefix("torch.")
-        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([name, shape, data]))
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, shape, data]))
 
 
 def _bigint(n: int) -> Any:
-    return msgpack.ExtType(_EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True))
+    return msgpack.ExtType(EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "big", signed=True))
 
 
 # --------------------------------------------------------------------------------- decoding
@@ -384,7 +388,7 @@ def unpack_small(frames: Sequence[Any], allow_pickle: bool = False) -> tuple[str
         return None
     unpacked = msgpack.unpackb(
         first[3:],
-        ext_hook=_NO_OOB_PICKLE if allow_pickle else _NO_OOB,
+        ext_hook=NO_OOB_PICKLE if allow_pickle else NO_OOB,
         raw=False,
         strict_map_key=False,
     )
@@ -405,7 +409,7 @@ def _decode(frames: Sequence[Any], allow_pickle: bool = False, owned: bool = Fal
         return Message(*small)
     if len(frames) == 0:
         raise CodecError("empty message: no header frame")
-    header = _frame_view(frames[0])
+    header = frame_view(frames[0])
     if header.nbytes < 3 or header[:2].tobytes() != MAGIC:
         raise CodecError("not an omniflow message: the header does not start with b'OF'")
     if header[2] != VERSION:
@@ -413,10 +417,10 @@ def _decode(frames: Sequence[Any], allow_pickle: bool = False, owned: bool = Fal
             f"wire version {header[2]} is not supported (this omniflow speaks version "
             f"{VERSION}); run the same omniflow version in every process"
         )
-    oob = [_frame_view(frame) for frame in frames[1:]]
+    oob = [frame_view(frame) for frame in frames[1:]]
     unpacked = msgpack.unpackb(
         header[3:],
-        ext_hook=_ExtHook(oob, allow_pickle, owned),
+        ext_hook=ExtHook(oob, allow_pickle, owned),
         raw=False,
         strict_map_key=False,
         use_list=True,
@@ -432,153 +436,3 @@ def _decode(frames: Sequence[Any], allow_pickle: bool = False, owned: bool = Fal
             f"{len(oob)} arrived"
         )
     return Message(kind, body)
-
-
-def _frame_view(frame: Any) -> memoryview:
-    view = memoryview(frame)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view.toreadonly()
-
-
-class _ExtHook:
-    """msgpack ext_hook that resolves frame indices against the received frames."""
-
-    __slots__ = ("allow_pickle", "frames", "owned")
-
-    def __init__(
-        self, frames: list[memoryview], allow_pickle: bool = False, owned: bool = False
-    ) -> None:
-        self.frames = frames
-        self.allow_pickle = allow_pickle
-        self.owned = owned
-
-    def __call__(self, code: int, payload: bytes) -> Any:
-        if code == _EXT_BUFFER:
-            fields = msgpack.unpackb(payload)
-            if not (isinstance(fields, list) and len(fields) == 2):
-                raise CodecError("malformed buffer: expected [frame index, nbytes]")
-            data = self._data(fields[0], fields[1], "buffer")
-            return bytes(data) if self.owned else data
-        if code == _EXT_NDARRAY:
-            return self._ndarray(*self._array_payload(payload, "ndarray"))
-        if code == _EXT_TENSOR:
-            return self._tensor(*self._array_payload(payload, "tensor"))
-        if code == _EXT_TUPLE:
-            items = msgpack.unpackb(payload, ext_hook=self, raw=False, strict_map_key=False)
-            if not isinstance(items, list):
-                raise CodecError("malformed tuple: expected an array")
-            return tuple(items)
-        if code == _EXT_PICKLE:
-            if not self.allow_pickle:
-                raise CodecError("pickled values are refused on this endpoint")
-            import pickle as _pickle
-
-            return _pickle.loads(payload)
-        if code in (_EXT_AUDIO, _EXT_IMAGE):
-            return self._media(code, payload)
-        if code == _EXT_BIGINT:
-            if not payload:
-                raise CodecError("malformed bigint: no bytes")
-            return int.from_bytes(payload, "big", signed=True)
-        raise CodecError(f"unknown ext type {code}")
-
-    def _media(self, code: int, payload: bytes) -> Any:
-        fields = msgpack.unpackb(payload, ext_hook=self, raw=False)
-        if code == _EXT_AUDIO:
-            if not (isinstance(fields, list) and len(fields) == 2 and type(fields[0]) is int):
-                raise CodecError("malformed audio: expected [sample_rate, samples]")
-            return Audio(fields[1], sample_rate=fields[0])  # a bad one: MediaError -> CodecError
-        if not (isinstance(fields, list) and len(fields) == 1):
-            raise CodecError("malformed image: expected [pixels]")
-        return Image(fields[0])
-
-    def _frame(self, index: Any) -> memoryview:
-        if type(index) is not int or not 1 <= index <= len(self.frames):
-            raise CodecError(
-                f"buffer reference {index!r} names no frame (the message has "
-                f"{len(self.frames)} buffer frames)"
-            )
-        return self.frames[index - 1]
-
-    def _array_payload(self, payload: bytes, what: str) -> tuple[str, list[int], Any]:
-        fields = msgpack.unpackb(payload, raw=False)
-        if not (isinstance(fields, list) and len(fields) == 3):
-            raise CodecError(f"malformed {what}: expected [dtype, shape, data]")
-        dtype, shape, data = fields
-        if not isinstance(dtype, str):
-            raise CodecError(f"malformed {what}: dtype is not a str")
-        if (
-            not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape))
-            or len(shape) > 64
-        ):
-            raise CodecError(f"malformed {what}: shape {shape!r} is not a list of sizes")
-        if not isinstance(data, bytes | int):
-            raise CodecError(f"malformed {what}: data is neither bytes nor a frame index")
-        return dtype, shape, data
-
-    def _ndarray(self, dtype_str: str, shape: list[int], data: bytes | int) -> Any:
-        np = _require("numpy")
-        dtype = np.dtype(dtype_str)
-        if dtype.hasobject or dtype.fields is not None or dtype.subdtype or not dtype.itemsize:
-            raise CodecError(f"malformed ndarray: dtype {dtype_str!r} is not allowed")
-        buf = self._data(data, math.prod(shape) * dtype.itemsize, "ndarray")
-        if isinstance(buf, bytes) or self.owned:  # small (or asked): an owned, writable copy
-            return np.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
-        arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
-        arr.flags.writeable = False
-        return arr
-
-    def _tensor(self, dtype_name: str, shape: list[int], data: bytes | int) -> Any:
-        torch = _require("torch")
-        dtype = _torch_dtypes(torch).get(dtype_name)
-        if dtype is None:
-            raise CodecError(f"malformed tensor: unknown torch dtype {dtype_name!r}")
-        buf = self._data(data, math.prod(shape) * dtype.itemsize, "tensor")
-        if len(buf) == 0:
-            return torch.empty(shape, dtype=dtype)
-        if isinstance(buf, bytes) or self.owned:  # small (or asked): an owned, writable copy
-            flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-        else:
-            with warnings.catch_warnings():
-                # The frame is read-only memory; torch has no read-only tensors and says so.
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(buf, dtype=torch.uint8)
-        return flat.view(dtype).reshape(shape)
-
-    def _data(self, data: bytes | int, nbytes: int, what: str) -> bytes | memoryview:
-        buf = self._frame(data) if isinstance(data, int) else data
-        if type(nbytes) is not int:
-            raise CodecError(f"malformed {what}: size {nbytes!r} is not an int")
-        if len(buf) != nbytes:
-            raise CodecError(
-                f"malformed {what}: {len(buf)} data bytes where {nbytes} were announced"
-            )
-        return buf
-
-
-#: Hooks for messages without out-of-band frames (reused: they hold no per-message state).
-_NO_OOB = _ExtHook([], False)
-_NO_OOB_PICKLE = _ExtHook([], True)
-
-
-def _require(module: str) -> Any:
-    if module in sys.modules:
-        return sys.modules[module]
-    try:
-        return __import__(module)
-    except ImportError as exc:
-        raise CodecError(
-            f"the message carries a {module} value but {module} is not installed here"
-        ) from exc
-
-
-_TORCH_DTYPES: dict[str, Any] = {}
-
-
-def _torch_dtypes(torch: Any) -> dict[str, Any]:
-    if not _TORCH_DTYPES:
-        for value in vars(torch).values():
-            if isinstance(value, torch.dtype):
-                _TORCH_DTYPES[str(value).removeprefix("torch.")] = value
-    return _TORCH_DTYPES

@@ -206,7 +206,7 @@ async def test_storm_of_1000_calls_inproc() -> None:
             for _ in range(3):
                 await asyncio.sleep(0)
             no_pending_tasks(rt)
-            assert rt._queues == {}
+            assert rt._sessions.queues == {}
 
 
 @pytest.mark.timeout(300)
@@ -218,7 +218,7 @@ async def test_storm_of_100_calls_across_processes() -> None:
         assert set(counts) <= {"ok", "cancelled"}, counts
         assert rt.stats() == ZERO
         no_pending_tasks(rt)
-        assert rt._queues == {}
+        assert rt._sessions.queues == {}
         stats = await rt.pool_stats()
         assert all(s.get("pool_live_blocks", 0) == 0 for s in stats.values()), stats
 
@@ -386,9 +386,9 @@ async def test_idle_sessions_close_after_their_ttl(runtime: Factory) -> None:
     assert (await calls[-1].collect())["hist"][0][0] == ["slow0", "slow1", "slow2"]
     # Idle now: closed within the TTL (waited for generously), workers included.
     await eventually(lambda: rt.sessions() == [], "the idle session to close")
-    assert rt._idle == {} and rt._queues == {}
+    assert rt._sessions.idle == {} and rt._sessions.queues == {}
     assert await _hist(rt, "again") == ["again"]
-    await eventually(lambda: rt._idle == {}, "the idle timer to fire")
+    await eventually(lambda: rt._sessions.idle == {}, "the idle timer to fire")
 
 
 async def test_many_sessions_do_not_stay_in_memory() -> None:
@@ -396,14 +396,15 @@ async def test_many_sessions_do_not_stay_in_memory() -> None:
         big = "s" * (1 << 20)  # 1 MiB session ids
         for i in range(50):
             await rt.run("lg_session", {"job": "j"}, session=f"{big}{i}")
-        await eventually(lambda: not rt._params and not rt._idle, "every session to close")
-        assert rt.sessions() == [] and rt._queues == {}
+        sessions = rt._sessions
+        await eventually(lambda: not sessions.params and not sessions.idle, "sessions to close")
+        assert rt.sessions() == [] and rt._sessions.queues == {}
 
 
 async def test_session_ttl_none_keeps_sessions_and_bad_ttl_is_rejected() -> None:
     async with of.Runtime(lg.session, session_ttl=None) as rt:
         await rt.run("lg_session", {"job": "j"}, session="s1")
-        assert rt.sessions() == ["s1"] and rt._idle == {}
+        assert rt.sessions() == ["s1"] and rt._sessions.idle == {}
     for bad in (0, -1, "10", True):
         with pytest.raises(of.OmniflowError, match="session_ttl"):
             of.Runtime(lg.session, session_ttl=bad)
