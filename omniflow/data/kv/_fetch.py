@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from omniflow._exceptions import DataError, DataTimeoutError, PoolExhaustedError
 from omniflow.data.kv._lease import Budget
 from omniflow.data.kv._moves import PoolMoves
-from omniflow.data.kv._shell import Foreign, loc, parse_loc
+from omniflow.data.kv._places import Foreign, loc, parse_loc
 from omniflow.data.kv._slots import L1, L2
 
 logger = logging.getLogger("omniflow.kv")

@@ -22,7 +22,7 @@ from omniflow.data.kv._fetch import PoolFetch, Want
 from omniflow.data.kv._layout import Match
 from omniflow.data.kv._lease import Budget
 from omniflow.data.kv._meta import chain_name
-from omniflow.data.kv._shell import check_owner
+from omniflow.data.kv._places import check_owner
 from omniflow.data.kv._slots import L1, unindex
 
 __all__ = ["PoolMatch"]

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from omniflow._exceptions import DataError, PoolExhaustedError
-from omniflow.data.kv._shell import PoolShell, check_owner, loc
+from omniflow.data.kv._places import check_owner, loc
+from omniflow.data.kv._shell import PoolShell
 from omniflow.data.kv._slots import L1, Plan
 
 __all__ = ["PoolMoves"]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import DataError
 from omniflow.data.kv._layout import chain_hashes
-from omniflow.data.kv._shell import check_owner, loc
+from omniflow.data.kv._places import check_owner, loc
 from omniflow.data.kv._slots import L1, TIERS
 from omniflow.data.kv._subscribe import PoolSubscriptions
 
