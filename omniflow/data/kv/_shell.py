@@ -1,12 +1,10 @@
 """The Params Pool's state and lifecycle: open, keys, signed node records, serving pulls.
 
-``ParamsPool`` is built in layers, each a class over the one below, each one responsibility
-(a layer calls only down): ``PoolShell`` (this: state, open/close, the cluster key, node
-records, the pages a pull asks for) -> ``PoolMoves`` (``_moves``: plans cleared with the
-metadata, allocation, readback) -> ``PoolFetch`` (``_fetch``: pages of other processes, viewed
-in place or pulled) -> ``PoolMatch`` (``_match``: match, pins, release) ->
-``PoolSubscriptions`` (``_subscribe``: publish notifications and preload) -> ``ParamsPool``
-(``_pool``: the public surface).
+``ParamsPool`` (``_pool``) is this shell and owns its parts, each one responsibility over the
+shell's state: ``PoolMoves`` (``_moves``: plans cleared with the metadata, allocation,
+readback), ``PoolFetch`` (``_fetch``: pages of other processes, viewed in place or pulled),
+``PoolMatch`` (``_match``: match, pins, release) and ``PoolSubscriptions`` (``_subscribe``:
+publish notifications and preload).
 
 The shell owns everything with a side effect: the tensors (``_tiers``), the metadata backend
 (``_meta`` / ``_redis`` / ``_hosted``), the pull server and client (``_pull``), the asyncio
