@@ -5,7 +5,7 @@ published replicas that would move are marked moving (or dropped) by one metadat
 a refusal (another process holds a replica lock, or the last replica of a running session's
 page) aborts the plan and replans around the page, the bytes are copied in one batch, the plan
 is committed and the new places are written by one more ``evict``. A matched run's lower-tier
-pages come back to L1 this way in one plan (``_take_local``).
+pages come back to L1 this way in one plan (``take_local``).
 """
 
 from __future__ import annotations
