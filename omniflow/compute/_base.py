@@ -34,12 +34,12 @@ from omniflow.compute._colocate import PoolSeat
 from omniflow.compute._config import read_config_json
 from omniflow.compute._errors import EngineError, EngineProcessError, ModelLoadError
 from omniflow.compute._kv import PagePool
+from omniflow.compute._outbox import StreamLike
 from omniflow.compute._pool import resolve_pool
 
 __all__ = [
     "EngineBase",
     "EngineOptions",
-    "Outbox",
     "engine_for_architecture",
     "read_architectures",
 ]
@@ -70,49 +70,6 @@ class _Output(Protocol):
 class _Seq(Protocol):
     request_id: str
     finish_reason: str | None
-
-
-SeqT = TypeVar("SeqT")
-
-
-class StreamLike(Protocol):
-    """A request's outbox, as the base loop sees it (``_stream.Stream`` for the LLM)."""
-
-    seq: Any  #: the engine's record (``request_id``, ``finish_reason``)
-    closed: bool  #: no more outputs will be computed
-    final: Any  #: the last output, delivered after the pages are released/published
-    released: asyncio.Event  #: set once the pool slots are released
-
-    def push(self, out: Any) -> None: ...
-
-    def fail(self, exc: BaseException) -> None: ...
-
-    async def next(self) -> Any: ...
-
-
-class Outbox(Generic[SeqT]):
-    """The plainest ``StreamLike``: outputs queued as the loop pushes them (the DiT's)."""
-
-    __slots__ = ("_queue", "closed", "final", "released", "seq")
-
-    def __init__(self, seq: SeqT) -> None:
-        self.seq = seq  #: the engine's record
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.closed = False  #: no more outputs will be computed
-        self.final: Any = None  #: the last output, delivered after the pins are released
-        self.released = asyncio.Event()  #: set once the pool slots are released
-
-    def push(self, out: Any) -> None:
-        self._queue.put_nowait(out)
-
-    def fail(self, exc: BaseException) -> None:
-        self._queue.put_nowait(exc)
-
-    async def next(self) -> Any:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
 
 class _Scheduler(Protocol):

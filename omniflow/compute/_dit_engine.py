@@ -25,13 +25,14 @@ from typing import Any, Unpack
 import torch
 
 from omniflow._exceptions import PoolExhaustedError
-from omniflow.compute._base import EngineBase, EngineOptions, Outbox
+from omniflow.compute._base import EngineBase, EngineOptions
 from omniflow.compute._dit import ARCH, DitConfig, DitModel, load_dit
 from omniflow.compute._dit_sched import DenoiseScheduler, DitSeq, StepKind
 from omniflow.compute._engine import PublishedPrefix
 from omniflow.compute._errors import EngineError, RequestError
 from omniflow.compute._kv import KvCache, PagePool
 from omniflow.compute._model import ForwardBatch, SeqSlice
+from omniflow.compute._outbox import Outbox
 from omniflow.compute._sequence import EMBED, SeqStatus
 
 __all__ = ["DenoiseOutput", "DenoiseRequest", "DiTEngine", "DitRunner"]

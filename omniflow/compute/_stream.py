@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from omniflow.compute._base import Outbox
+from omniflow.compute._outbox import Outbox
 from omniflow.compute._request import StepOutput
 from omniflow.compute._sampling import StopWatch
 from omniflow.compute._sequence import Sequence

@@ -8,6 +8,8 @@
     _state    admission (max in-flight, draining) and lifecycle of one app
     _stream   ASGI responses that run a call (NDJSON, JSON) and cancel it on disconnect
     _openai   /v1/chat/completions and /v1/models for graphs that opt in
+    _openai_common  OpenAI errors, admission, the JSON body, a failed call's answer
+    _usage    a chat answer's usage and finish reason
     _chat_request  an OpenAI chat request checked as OpenAI checks it (pure; 400/404 reasons)
     _metrics  /metrics through prometheus_client
     _limits   the server's limits, their defaults, the Host/Origin rules

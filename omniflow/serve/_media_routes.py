@@ -31,13 +31,19 @@ from starlette.routing import Route
 
 from omniflow._exceptions import InputError
 from omniflow._media import Image
-from omniflow.serve._codec import ValueDecodingError, loads
 from omniflow.serve._endpoints import Endpoint, graph_inputs, served
-from omniflow.serve._limits import bad_session
 from omniflow.serve._media_in import BadMedia, decode_audio
 from omniflow.serve._multipart import FormError, parse_form
-from omniflow.serve._openai import SESSION_HEADER, admitted, call_failure, openai_error, send_json
-from omniflow.serve._stream import CallResponse, call_status
+from omniflow.serve._openai_common import (
+    admitted,
+    bad_request,
+    read_json,
+    request_session,
+    send_failure,
+    send_json,
+    unknown_model,
+)
+from omniflow.serve._stream import CallResponse
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -70,26 +76,6 @@ _IMAGE_FIELDS = frozenset(
 _ASR_PROTOCOL = frozenset({"model", "file", "response_format", "session", "stream"})
 
 
-def _bad(message: str, param: str | None, code: str = "invalid_value") -> Response:
-    return openai_error(400, message, param=param, code=code)
-
-
-def _unknown_model(model: str, models: list[str], what: str, shape: str) -> Response:
-    return openai_error(
-        404,
-        f"The model '{model}' does not exist: the {what} graphs served here are "
-        f"{sorted(models)} (a graph serves {what} when it has {shape}).",
-        param="model",
-        code="model_not_found",
-    )
-
-
-def _session(request: Request, given: Any) -> tuple[str | None, Response | None]:
-    session = given if given is not None else request.headers.get(SESSION_HEADER)
-    problem = bad_session(session)
-    return session, (_bad(problem, "session") if problem is not None else None)
-
-
 # -- transcriptions --------------------------------------------------------------------------
 
 
@@ -103,25 +89,27 @@ async def _start_transcription(request: Request, state: ServeState) -> Response 
         form = parse_form(request.headers.get("content-type", ""), await request.body())
         fields = {name: part.text() for name, part in form.items() if part.filename is None}
     except FormError as exc:
-        return _bad(f"request body: {exc}", None)
+        return bad_request(f"request body: {exc}", None)
     file = form.get("file")
     if file is None:
-        return _bad(
+        return bad_request(
             "Missing required parameter: 'file' (the audio, a WAV)",
             "file",
             "missing_required_parameter",
         )
     model = fields.get("model")
     if not model:
-        return _bad("you must provide a model parameter", "model", "missing_required_parameter")
+        return bad_request(
+            "you must provide a model parameter", "model", "missing_required_parameter"
+        )
     models = served(rt.plans, Endpoint.TRANSCRIPTIONS)
     if model not in models:
-        return _unknown_model(
+        return unknown_model(
             model, models, "transcription", "a Placeholder 'audio' and an output 'text'"
         )
     fmt = fields.get("response_format", "json")
     if fmt not in ("json", "text"):
-        return _bad(
+        return bad_request(
             f"Unsupported value: 'response_format' is {fmt!r}; this server answers 'json' "
             "(default) and 'text'",
             "response_format",
@@ -130,8 +118,8 @@ async def _start_transcription(request: Request, state: ServeState) -> Response 
     try:
         audio = decode_audio(file.data, "file")
     except BadMedia as exc:
-        return _bad(exc.message, exc.param)
-    session, refused = _session(request, fields.get("session"))
+        return bad_request(exc.message, exc.param)
+    session, refused = request_session(request, fields.get("session"))
     if refused is not None:
         return refused
     given: dict[str, Any] = {**fields, "audio": audio}
@@ -139,7 +127,7 @@ async def _start_transcription(request: Request, state: ServeState) -> Response 
     try:
         call = rt.call(model, inputs, session=session)
     except InputError as exc:
-        return _bad(str(exc), exc.field)
+        return bad_request(str(exc), exc.field)
     state.enter(call)
     return TranscriptionResponse(state, call, text=fmt == "text")
 
@@ -159,11 +147,7 @@ class TranscriptionResponse(CallResponse):
                 if frame.field == "text":
                     v = frame.value
                     parts.append(v if isinstance(v, str) else str(v))
-        if self.disconnected:
-            return
-        status, errors = call_status(self.call, self.extra_errors)
-        if status != "ok":
-            await send_json(self, send, *call_failure(self.call, errors))
+        if await send_failure(self, send):
             return
         text = "".join(parts)
         if not self.plain:
@@ -187,26 +171,23 @@ async def images(request: Request) -> Response | CallResponse:
 
 async def _start_images(request: Request, state: ServeState) -> Response | CallResponse:
     rt = state.runtime
-    try:
-        body = loads(await request.body())
-    except ValueDecodingError as exc:
-        return _bad(f"request body: {exc}", None)
+    body = await read_json(request)
     if not isinstance(body, dict):
-        return _bad("request body must be a JSON object", None)
+        return body
     model = body.get("model")
     if not isinstance(model, str):
-        return _bad(
+        return bad_request(
             "you must provide a model parameter (a string)", "model", "missing_required_parameter"
         )
     models = served(rt.plans, Endpoint.IMAGES)
     if model not in models:
-        return _unknown_model(model, models, "image", "a Placeholder 'prompt'")
+        return unknown_model(model, models, "image", "a Placeholder 'prompt'")
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
-        return _bad("'prompt' must be a non-empty string", "prompt")
+        return bad_request("'prompt' must be a non-empty string", "prompt")
     fmt = body.get("response_format")
     if fmt not in (None, "b64_json"):
-        return _bad(
+        return bad_request(
             f"Unsupported value: 'response_format' is {fmt!r}; this server answers "
             "'b64_json' only (it keeps no files to give URLs for)",
             "response_format",
@@ -214,21 +195,21 @@ async def _start_images(request: Request, state: ServeState) -> Response | CallR
         )
     size = body.get("size")
     if size is not None and size != "auto" and not (isinstance(size, str) and _SIZE.match(size)):
-        return _bad(
+        return bad_request(
             f"'size' must be 'WIDTHxHEIGHT' (like '256x256') or 'auto', got {size!r}", "size"
         )
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10):
-        return _bad(f"'n' must be an integer from 1 to 10, got {n!r}", "n")
+        return bad_request(f"'n' must be an integer from 1 to 10, got {n!r}", "n")
     inputs_of = rt.plans[model].inputs
     unknown = sorted(k for k in body if k not in _IMAGE_FIELDS and k not in inputs_of)
     if unknown:
-        return _bad(
+        return bad_request(
             f"Unrecognized request argument supplied: {', '.join(unknown)} (graph '{model}' "
             f"takes {sorted(inputs_of)} besides OpenAI's fields)",
             None,
         )
-    session, refused = _session(request, body.get("session"))
+    session, refused = request_session(request, body.get("session"))
     if refused is not None:
         return refused
     skip = _IMAGE_FIELDS - {"prompt", "n", "size"} - set(inputs_of)
@@ -236,7 +217,7 @@ async def _start_images(request: Request, state: ServeState) -> Response | CallR
     try:
         call = rt.call(model, inputs, session=session)
     except InputError as exc:
-        return _bad(str(exc), exc.field)
+        return bad_request(str(exc), exc.field)
     state.enter(call)
     return ImagesResponse(state, call)
 
@@ -250,11 +231,7 @@ class ImagesResponse(CallResponse):
             async for frame in frames:
                 if isinstance(frame.value, Image):
                     pictures.append(frame.value)
-        if self.disconnected:
-            return
-        status, errors = call_status(self.call, self.extra_errors)
-        if status != "ok":
-            await send_json(self, send, *call_failure(self.call, errors))
+        if await send_failure(self, send):
             return
         data = [{"b64_json": base64.b64encode(p.to_png()).decode()} for p in pictures]
         await send_json(self, send, 200, {"created": int(time.time()), "data": data})

@@ -155,11 +155,7 @@ def _runtime_families(rt: Runtime) -> Iterator[Metric]:
     )
     bounds = [*(repr(b) for b in LATENCY_BUCKETS), "+Inf"]
     for (g, n), nm in nodes:
-        cumulative, buckets = 0, []
-        for le, count in zip(bounds, nm.latency_counts, strict=True):
-            cumulative += count
-            buckets.append((le, float(cumulative)))
-        hist.add_metric([g, n], buckets, nm.latency_sum)
+        hist.add_metric([g, n], _buckets(bounds, nm.latency_counts), nm.latency_sum)
     yield hist
     yield _family("counter", "omniflow_node_started_total", "Activations handed out to run.",
                   ((dict(graph=g, node=n), nm.started) for (g, n), nm in nodes))  # fmt: skip
@@ -171,30 +167,18 @@ def _runtime_families(rt: Runtime) -> Iterator[Metric]:
     for (g, n), nm in nodes:
         wait.add_metric([g, n], _buckets(bounds, nm.queue_wait.counts), nm.queue_wait.total)
     yield wait
-    first = HistogramMetricFamily(
-        "omniflow_first_frame_seconds",
-        "Time from a call's start to its first frame of each output field.",
-        labels=["graph", "field"],
-    )
-    for (g, f), h in sorted(m.first_frame.items()):
-        first.add_metric([g, f], _buckets(bounds, h.counts), h.total)
-    yield first
-    audio = HistogramMetricFamily(
-        "omniflow_first_audio_seconds",
-        "Time from a call's start to its first of.Audio frame of each output field.",
-        labels=["graph", "field"],
-    )
-    for (g, f), h in sorted(m.first_audio.items()):
-        audio.add_metric([g, f], _buckets(bounds, h.counts), h.total)
-    yield audio
-    rtf = HistogramMetricFamily(
-        "omniflow_audio_real_time_factor",
-        "Seconds a call took per second of of.Audio it produced, per output field.",
-        labels=["graph", "field"],
-    )
-    for (g, f), h in sorted(m.audio_rtf.items()):
-        rtf.add_metric([g, f], _buckets(bounds, h.counts), h.total)
-    yield rtf
+    for attr, name, help_ in (
+        ("first_frame", "omniflow_first_frame_seconds",
+         "Time from a call's start to its first frame of each output field."),
+        ("first_audio", "omniflow_first_audio_seconds",
+         "Time from a call's start to its first of.Audio frame of each output field."),
+        ("audio_rtf", "omniflow_audio_real_time_factor",
+         "Seconds a call took per second of of.Audio it produced, per output field."),
+    ):  # fmt: skip
+        fam = HistogramMetricFamily(name, help_, labels=["graph", "field"])
+        for (g, f), h in sorted(getattr(m, attr).items()):
+            fam.add_metric([g, f], _buckets(bounds, h.counts), h.total)
+        yield fam
     yield _family("counter", "omniflow_calls_started_total", "Calls started.",
                   [({}, m.calls_started)])  # fmt: skip
     yield _family(

@@ -66,7 +66,7 @@ import base64
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,41 +74,39 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from omniflow._exceptions import InputError, NodeError
+from omniflow._exceptions import InputError
 from omniflow._media import Audio
 from omniflow.runtime import Call, Runtime
 from omniflow.serve._chat_request import OPENAI_FIELDS, check_chat_request
-from omniflow.serve._codec import ValueDecodingError, dumps, loads
+from omniflow.serve._codec import dumps
 from omniflow.serve._endpoints import Endpoint, endpoints_of, graph_inputs, served
 from omniflow.serve._limits import bad_session
 from omniflow.serve._media_in import BadMedia, decode_messages
-from omniflow.serve._pcm import PCM16_RATE, Resampler, pcm16_of, wav_header
+from omniflow.serve._openai_common import (
+    SESSION_HEADER,
+    admitted,
+    call_failure,
+    error_message,
+    openai_error,
+    read_json,
+    send_json,
+    serve_state,
+)
+from omniflow.serve._pcm import PCM16_RATE, PcmStream, wav_header, whole_audio
 from omniflow.serve._stream import CallResponse, call_status
+from omniflow.serve._usage import Usage
 
 if TYPE_CHECKING:
     from starlette.types import Send
 
     from omniflow.serve._state import ServeState
 
-__all__ = [
-    "AUDIO_FORMATS",
-    "OPTIONAL_FIELDS",
-    "AudioAnswer",
-    "PcmStream",
-    "admitted",
-    "call_failure",
-    "chat_graphs",
-    "openai_error",
-    "routes",
-    "send_json",
-]
+__all__ = ["AUDIO_FORMATS", "OPTIONAL_FIELDS", "AudioAnswer", "chat_graphs", "routes"]
 
 #: Request fields that belong to the OpenAI protocol and are never graph inputs.
 _PROTOCOL_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "session"})
 #: OpenAI's optional chat request fields: a Placeholder named so is None when they are absent.
 OPTIONAL_FIELDS = OPENAI_FIELDS - _PROTOCOL_FIELDS
-#: The header that names the session when the body does not.
-SESSION_HEADER = "x-omniflow-session"
 #: Chat audio formats this server encodes.
 AUDIO_FORMATS = ("wav", "pcm16")
 
@@ -118,31 +116,13 @@ def chat_graphs(rt: Runtime) -> list[str]:
     return served(rt.plans, Endpoint.CHAT)
 
 
-def openai_error(
-    status: int,
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _state(request: Request) -> ServeState:
-    state: ServeState = request.app.state.omniflow
-    return state
-
-
 async def list_models(request: Request) -> Response:
     """Every graph that serves at least one endpoint, with ``endpoints``: the ones it serves
     (``chat.completions``, ``audio.speech``, ``audio.transcriptions``, ``images.generations``,
     ``realtime``)."""
     created = int(time.time())
     data = []
-    for name, plan in _state(request).runtime.plans.items():
+    for name, plan in serve_state(request).runtime.plans.items():
         endpoints = endpoints_of(plan.inputs, plan.outputs)
         if endpoints:
             data.append(
@@ -155,31 +135,6 @@ async def list_models(request: Request) -> Response:
                 }
             )
     return JSONResponse({"object": "list", "data": data})
-
-
-async def admitted(
-    request: Request, start: Callable[[Request, ServeState], Awaitable[Response | CallResponse]]
-) -> Response | CallResponse:
-    """Run ``start`` under admission: a slot is taken before the body is read (a refused
-    client costs no body bytes) and given back unless ``start`` returns a running call."""
-    state = _state(request)
-    refused = state.admit()
-    if refused is not None:
-        status, reason, message = refused
-        return openai_error(
-            status,
-            message,
-            type_="rate_limit_error" if status == 429 else "server_error",
-            code=reason,
-            headers={"retry-after": "1"},
-        )
-    response: Response | CallResponse | None = None
-    try:
-        response = await start(request, state)
-    finally:
-        if not isinstance(response, CallResponse):
-            state.release()
-    return response
 
 
 async def chat_completions(request: Request) -> Response | CallResponse:
@@ -222,12 +177,9 @@ def _audio_request(body: dict[str, Any]) -> AudioAnswer | JSONResponse | None:
 
 async def _start_chat(request: Request, state: ServeState) -> Response | CallResponse:
     rt = state.runtime
-    try:
-        body = loads(await request.body())
-    except ValueDecodingError as exc:
-        return openai_error(400, f"request body: {exc}")
+    body = await read_json(request, code=None)
     if not isinstance(body, dict):
-        return openai_error(400, "request body must be a JSON object")
+        return body
     models = {name: rt.plans[name].inputs for name in chat_graphs(rt)}
     invalid = check_chat_request(body, models)
     if invalid is not None:
@@ -268,60 +220,6 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=repr)
 
 
-def _error_message(call: Call, errors: list[dict[str, Any]]) -> str:
-    if not errors:
-        return f"the call ended with status '{call.status}'"
-    e = errors[0]
-    return f"graph '{call.graph}', node '{e['node']}': {e['message']}"
-
-
-def _input_error(call: Call) -> NodeError | None:
-    """The graph's own ``InputError`` that failed ``call`` (a node refused the request's
-    input), in any placement (across processes only its type name survives)."""
-    for err in call.errors:
-        if err.kind == "error" and (
-            err.exc_type == "InputError" or isinstance(err.__cause__, InputError)
-        ):
-            return err
-    return None
-
-
-def call_failure(call: Call, errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """A failed call as an HTTP status and OpenAI error object: 400 when a node raised
-    ``InputError`` (the request is wrong: retrying it cannot help), else 500."""
-    refused = _input_error(call)
-    if refused is not None:
-        message = refused.message.removeprefix("InputError: ")
-        field = getattr(refused.__cause__, "field", None) or refused.field
-        error = {
-            "message": f"graph '{call.graph}', node '{refused.node}': {message}",
-            "type": "invalid_request_error",
-            "param": field,
-            "code": None,
-        }
-        return 400, {"error": error}
-    error = {
-        "message": _error_message(call, errors),
-        "type": "server_error",
-        "param": None,
-        "code": call.status if call.status != "ok" else "error",
-    }
-    return 500, {"error": error}
-
-
-async def send_json(resp: CallResponse, send: Send, status: int, obj: dict[str, Any]) -> None:
-    body = dumps(obj)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if status >= 400:
-        # The call failed on what the request asked: the same request fails the same way.
-        headers.append((b"x-should-retry", b"false"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await resp._finish(send, body)
-
-
 class ChatStreamResponse(CallResponse):
     """Server-sent events of ``chat.completion.chunk`` objects, then ``data: [DONE]``.
 
@@ -359,7 +257,7 @@ class ChatStreamResponse(CallResponse):
             (b"x-accel-buffering", b"no"),
         ]
         n = 0
-        tally = _Usage()
+        tally = Usage()
         audio_id = f"audio_{call.call_id}"
         pcm = PcmStream(PCM16_RATE)
         wav_started = False
@@ -417,7 +315,7 @@ class ChatStreamResponse(CallResponse):
             if self.include_usage:
                 tail += event([], usage=tally.usage(n))
         else:
-            err = {"message": _error_message(call, errors), "type": "server_error"}
+            err = {"message": error_message(call, errors), "type": "server_error"}
             tail = b"data: " + dumps({"error": {**err, "param": None, "code": status}}) + b"\n\n"
         await self._finish(send, tail + b"data: [DONE]\n\n")
 
@@ -431,7 +329,7 @@ class ChatResponse(CallResponse):
 
     async def respond(self, send: Send) -> None:
         call = self.call
-        tally = _Usage()
+        tally = Usage()
         parts: list[str] = []
         clips: list[Audio] = []
         async with contextlib.aclosing(_chat_frames(self, tally, self.audio is not None)) as it:
@@ -478,81 +376,8 @@ class ChatResponse(CallResponse):
         await send_json(self, send, 200, obj)
 
 
-class _Usage:
-    """The graph's own ``usage`` frame, if it emits one, in OpenAI's shape."""
-
-    __slots__ = ("reported",)
-
-    def __init__(self) -> None:
-        self.reported: dict[str, Any] | None = None
-
-    def see(self, value: Any) -> None:
-        if isinstance(value, dict):
-            self.reported = value
-
-    def finish_reason(self) -> str:
-        reason = (self.reported or {}).get("finish_reason")
-        return "length" if reason == "length" else "stop"
-
-    def usage(self, frames: int) -> dict[str, Any]:
-        got = self.reported
-        if got is None:
-            return {"prompt_tokens": 0, "completion_tokens": frames, "total_tokens": frames}
-        prompt, completion = _count(got, "prompt_tokens"), _count(got, "completion_tokens")
-        out: dict[str, Any] = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-        if "cached_tokens" in got:
-            out["prompt_tokens_details"] = {"cached_tokens": _count(got, "cached_tokens")}
-        return out
-
-
-def _count(d: dict[str, Any], key: str) -> int:
-    v = d.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-
-
-class PcmStream:
-    """Audio frames -> raw 16-bit little-endian PCM at ``rate``, resampled by ``_pcm``'s
-    streaming resampler (one per run of frames at the same source rate), so the bytes of a
-    stream of frames are the bytes of the same frames at once."""
-
-    __slots__ = ("_resampler", "rate", "rates")
-
-    def __init__(self, rate: int) -> None:
-        #: The output rate (Hz).
-        self.rate = rate
-        #: Source rates seen, in order of first use.
-        self.rates: list[int] = []
-        self._resampler: Resampler | None = None
-
-    def feed(self, clip: Audio) -> bytes:
-        r = self._resampler
-        if r is None or r.src != clip.sample_rate:
-            r = self._resampler = Resampler(clip.sample_rate, self.rate)
-            if clip.sample_rate not in self.rates:
-                self.rates.append(clip.sample_rate)
-        return r.feed(clip.samples).astype("<i2", copy=False).tobytes()
-
-
-def whole_audio(clips: list[Audio], fmt: str) -> bytes:
-    """``clips`` as one ``wav`` (at their rate when they share one, else 24 kHz) or ``pcm16``
-    (24 kHz) file."""
-    import numpy as np
-
-    rates = {c.sample_rate for c in clips}
-    if fmt == "wav" and len(rates) == 1:
-        pcm = np.concatenate([pcm16_of(c.samples) for c in clips]).astype("<i2").tobytes()
-        return wav_header(rates.pop(), len(pcm)) + pcm
-    stream = PcmStream(PCM16_RATE)
-    pcm = b"".join(stream.feed(c) for c in clips)
-    return wav_header(PCM16_RATE, len(pcm)) + pcm if fmt == "wav" else pcm
-
-
 async def _chat_frames(
-    resp: CallResponse, tally: _Usage, want_audio: bool
+    resp: CallResponse, tally: Usage, want_audio: bool
 ) -> AsyncGenerator[str | Audio, None]:
     """The call's text deltas (its ``text`` frames) and, when ``want_audio``, its audio
     (frames whose value is an ``of.Audio``), in order; ``usage`` frames go to ``tally``."""

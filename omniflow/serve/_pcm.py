@@ -30,7 +30,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PCM16_RATE", "Resampler", "pcm16_of", "resample", "wav_header"]
+    from omniflow._media import Audio
+
+__all__ = [
+    "PCM16_RATE",
+    "PcmStream",
+    "Resampler",
+    "pcm16_of",
+    "resample",
+    "wav_header",
+    "whole_audio",
+]
 
 #: The rate of OpenAI's ``pcm16`` (chat and realtime audio).
 PCM16_RATE = 24000
@@ -115,3 +125,40 @@ def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
         + b"data"
         + struct.pack("<I", data)
     )
+
+
+class PcmStream:
+    """Audio frames -> raw 16-bit little-endian PCM at ``rate``, resampled by a ``Resampler``
+    (one per run of frames at the same source rate), so the bytes of a stream of frames are the
+    bytes of the same frames at once."""
+
+    __slots__ = ("_resampler", "rate", "rates")
+
+    def __init__(self, rate: int) -> None:
+        #: The output rate (Hz).
+        self.rate = rate
+        #: Source rates seen, in order of first use.
+        self.rates: list[int] = []
+        self._resampler: Resampler | None = None
+
+    def feed(self, clip: Audio) -> bytes:
+        r = self._resampler
+        if r is None or r.src != clip.sample_rate:
+            r = self._resampler = Resampler(clip.sample_rate, self.rate)
+            if clip.sample_rate not in self.rates:
+                self.rates.append(clip.sample_rate)
+        return r.feed(clip.samples).astype("<i2", copy=False).tobytes()
+
+
+def whole_audio(clips: list[Audio], fmt: str) -> bytes:
+    """``clips`` as one ``wav`` (at their rate when they share one, else 24 kHz) or ``pcm16``
+    (24 kHz) file."""
+    import numpy as np
+
+    rates = {c.sample_rate for c in clips}
+    if fmt == "wav" and len(rates) == 1:
+        pcm = np.concatenate([pcm16_of(c.samples) for c in clips]).astype("<i2").tobytes()
+        return wav_header(rates.pop(), len(pcm)) + pcm
+    stream = PcmStream(PCM16_RATE)
+    pcm = b"".join(stream.feed(c) for c in clips)
+    return wav_header(PCM16_RATE, len(pcm)) + pcm if fmt == "wav" else pcm

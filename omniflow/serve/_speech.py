@@ -36,18 +36,19 @@ from starlette.routing import Route
 
 from omniflow._exceptions import InputError
 from omniflow._media import Audio
-from omniflow.serve._codec import ValueDecodingError, dumps, loads
+from omniflow.serve._codec import dumps
 from omniflow.serve._endpoints import Endpoint, graph_inputs, served
 from omniflow.serve._limits import bad_session
-from omniflow.serve._openai import (
+from omniflow.serve._openai_common import (
     SESSION_HEADER,
-    PcmStream,
     admitted,
+    bad_request,
     call_failure,
-    openai_error,
+    read_json,
     send_json,
+    unknown_model,
 )
-from omniflow.serve._pcm import wav_header
+from omniflow.serve._pcm import PcmStream, wav_header
 from omniflow.serve._stream import CallResponse, call_status
 
 if TYPE_CHECKING:
@@ -63,40 +64,27 @@ SPEECH_FORMATS = ("wav", "pcm")
 _PROTOCOL = frozenset({"model", "response_format", "stream_format", "session"})
 
 
-def _bad(message: str, param: str | None, code: str = "invalid_value") -> Response:
-    return openai_error(400, message, param=param, code=code)
-
-
 async def speech(request: Request) -> Response | CallResponse:
     return await admitted(request, _start_speech)
 
 
 async def _start_speech(request: Request, state: ServeState) -> Response | CallResponse:
     rt = state.runtime
-    try:
-        body = loads(await request.body())
-    except ValueDecodingError as exc:
-        return _bad(f"request body: {exc}", None)
+    body = await read_json(request)
     if not isinstance(body, dict):
-        return _bad("request body must be a JSON object", None)
+        return body
     models = served(rt.plans, Endpoint.SPEECH)
     model = body.get("model")
     if not isinstance(model, str):
-        return _bad("you must provide a model parameter (a string)", "model")
+        return bad_request("you must provide a model parameter (a string)", "model")
     if model not in models:
-        return openai_error(
-            404,
-            f"The model '{model}' does not exist: the speech graphs served here are "
-            f"{sorted(models)} (a graph serves speech when it has a Placeholder 'input').",
-            param="model",
-            code="model_not_found",
-        )
+        return unknown_model(model, models, "speech", "a Placeholder 'input'")
     text = body.get("input")
     if not isinstance(text, str) or not text:
-        return _bad("'input' must be a non-empty string: the text to speak", "input")
+        return bad_request("'input' must be a non-empty string: the text to speak", "input")
     fmt = body.get("response_format", "wav")
     if fmt not in SPEECH_FORMATS:
-        return _bad(
+        return bad_request(
             f"Unsupported value: 'response_format' is {fmt!r}; this server writes 'wav' "
             "(default) and 'pcm' (16-bit little-endian mono, rate in X-Sample-Rate)",
             "response_format",
@@ -104,7 +92,7 @@ async def _start_speech(request: Request, state: ServeState) -> Response | CallR
         )
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
-        return _bad(
+        return bad_request(
             f"Invalid value for 'stream_format': {stream_format!r}; use 'audio' or 'sse'",
             "stream_format",
         )
@@ -115,19 +103,19 @@ async def _start_speech(request: Request, state: ServeState) -> Response | CallR
         or not math.isfinite(speed)
         or not 0.25 <= speed <= 4.0
     ):
-        return _bad(f"'speed' must be a number from 0.25 to 4.0, got {speed!r}", "speed")
+        return bad_request(f"'speed' must be a number from 0.25 to 4.0, got {speed!r}", "speed")
     for name in ("voice", "instructions"):
         if body.get(name) is not None and not isinstance(body[name], str | dict):
-            return _bad(f"'{name}' must be a string", name)
+            return bad_request(f"'{name}' must be a string", name)
     session = body.get("session", request.headers.get(SESSION_HEADER))
     problem = bad_session(session)
     if problem is not None:
-        return _bad(problem, "session")
+        return bad_request(problem, "session")
     inputs = graph_inputs(rt.plans[model].inputs, body, skip=_PROTOCOL)
     try:
         call = rt.call(model, inputs, session=session)
     except InputError as exc:
-        return _bad(str(exc), exc.field)
+        return bad_request(str(exc), exc.field)
     state.enter(call)
     return SpeechResponse(state, call, fmt=fmt, sse=stream_format == "sse")
 

@@ -387,8 +387,8 @@ async def test_a_subscriber_preloads_a_published_chain_and_then_hits_locally(
         # b takes its notices only once a's chain sits in a's L2: a notice that arrived while
         # a moved the pages would find them marked moving, a miss by design (a preload is
         # best effort), and the pub/sub delivery through Redis may come at any moment.
-        deliver = b._notified
-        b._notified = lambda *n: held.append(n) if holding[0] else deliver(*n)
+        deliver = b._subscriptions.notified
+        b._subscriptions.notified = lambda *n: held.append(n) if holding[0] else deliver(*n)
     await b.subscribe("chat", preload=True)
     await b.subscribe("other")  # notified, no preload
     keys = of.chain_hashes([[i] for i in range(6)])

@@ -23,17 +23,15 @@ import pytest
 
 import omniflow as of
 from omniflow.data import SharedBufferPool
-from omniflow.data._plane import (
+from omniflow.data._connectors import (
     HOST,
-    POOL_BYTES_ENV,
-    DataPlane,
-    DataRef,
-    PullClient,
     ShmConnector,
     ZmqConnector,
     choose_connector,
     decode_block,
 )
+from omniflow.data._plane import POOL_BYTES_ENV, DataPlane, DataRef
+from omniflow.data._pull import PullClient
 from omniflow.transport._protocol import Frame, decode_msg, encode_msg
 
 torch = pytest.importorskip("torch")

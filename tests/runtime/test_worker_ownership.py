@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from omniflow.data._connectors import HOST
 from omniflow.data._handle import BlockHandle
-from omniflow.data._plane import HOST, DataRef
+from omniflow.data._ref import DataRef
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._worker import Worker
 from omniflow.transport._protocol import EndCall, Hello, Release, Stop

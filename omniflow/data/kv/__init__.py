@@ -2,8 +2,9 @@
 
 Four layers, bottom up: the physical paging layer (``_layout``, ``_tiers``), the slot engine
 (``_sketch``, ``_slots``: a pure core), the metadata coordination (``_meta``, ``_redis``,
-``_hosted``, ``_notice``) and the data-flow loop in the shell (``_shell`` -> ``_moves`` ->
-``_fetch`` -> ``_match`` -> ``_subscribe`` -> ``_pool``, and ``_pull``).
+``_hosted``, ``_notice``) and the data-flow loop: ``ParamsPool`` (``_pool``) is the shell
+(``_shell``: state and lifecycle) and owns its parts ``_moves``, ``_fetch``, ``_match`` and
+``_subscribe``; ``_pull`` carries pages between processes.
 """
 
 from omniflow._exceptions import PoolExhaustedError

@@ -16,18 +16,27 @@
 (2, 0)
 >>> asyncio.run(kv.aclose())
 
-The layers below (``_shell`` -> ``_moves`` -> ``_fetch`` -> ``_match`` -> ``_subscribe``) hold
-the rest; this module adds views of the pages, publish, copy-on-write and observability.
+A ``ParamsPool`` is its state and lifecycle (``_shell.PoolShell``: tiers, metadata, keys,
+lease) and owns its parts, each one responsibility over that state: ``PoolMoves`` (``_moves``:
+plans cleared with the metadata, alloc, readback), ``PoolFetch`` (``_fetch``: pages of other
+processes, viewed in place or pulled), ``PoolMatch`` (``_match``: match, pins, release) and
+``PoolSubscriptions`` (``_subscribe``: notifications and preload). This module adds views of
+the pages, publish, copy-on-write and observability, and hands the rest to the parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import DataError
-from omniflow.data.kv._layout import chain_hashes
-from omniflow.data.kv._shell import check_owner, loc
+from omniflow.data.kv._fetch import PoolFetch
+from omniflow.data.kv._layout import Match, chain_hashes
+from omniflow.data.kv._match import PoolMatch
+from omniflow.data.kv._moves import PoolMoves
+from omniflow.data.kv._places import check_owner, loc
+from omniflow.data.kv._shell import PoolShell
 from omniflow.data.kv._slots import L1, TIERS
 from omniflow.data.kv._subscribe import PoolSubscriptions
 
@@ -38,8 +47,72 @@ if TYPE_CHECKING:  # torch is imported when a pool opens, not with omniflow
 __all__ = ["ParamsPool", "chain_hashes"]
 
 
-class ParamsPool(PoolSubscriptions):
+class ParamsPool(PoolShell):
     """Paged, tiered KV storage shared by roles, processes and nodes (docs/contract.md §7)."""
+
+    # -- the parts (they hold no state of their own: the constructor is the shell's) ---------
+
+    @cached_property
+    def _moves(self) -> PoolMoves:
+        return PoolMoves(self)
+
+    @cached_property
+    def _fetcher(self) -> PoolFetch:
+        return PoolFetch(self, self._moves)
+
+    @cached_property
+    def _matcher(self) -> PoolMatch:
+        return PoolMatch(self, self._moves, self._fetcher)
+
+    @cached_property
+    def _subscriptions(self) -> PoolSubscriptions:
+        return PoolSubscriptions(self, self._matcher)
+
+    # -- pages: alloc, match, release (``_moves``, ``_match``) --------------------------------
+
+    async def alloc(self, owner: str, n: int) -> list[int]:
+        """``n`` new L1 pages pinned for ``owner``; ``PoolExhaustedError`` at once if they cannot
+        be had without evicting pages that have an owner."""
+        return await self._moves.alloc(owner, n)
+
+    async def match(self, session: str | None, hashes: Sequence[str], owner: str) -> Match:
+        """The longest published prefix of ``hashes`` for ``session``, pinned for ``owner``:
+        local pages (read back to L1), another local process's L2 pages (viewed in place) or
+        pages pulled from another node (a run of them in one request)."""
+        return await self._matcher.match(session, hashes, owner)
+
+    async def release(self, owner: str) -> int:
+        """Unpin every page ``owner`` holds (call end, cancel, error); returns how many."""
+        return await self._matcher.release(owner)
+
+    def holds(self, owner: str) -> bool:
+        """Whether ``owner`` pins anything here (cheap: the runtime asks at every call end)."""
+        return self._matcher.holds(owner)
+
+    async def close_session(self, session: str) -> None:
+        """Drop the session's run locks (its chain may be dropped under pressure again)."""
+        await self._matcher.close_session(session)
+
+    # -- notifications (``_subscribe``) -------------------------------------------------------
+
+    async def subscribe(self, session: str | None, *, preload: bool = False) -> None:
+        """Be notified (in batches: one per publish) of pages another process publishes in
+        the session's chain (None: the public chain); with ``preload`` copy them into this
+        pool's own tiers at once, so a later ``match`` is a local hit with no fetch. Through
+        Redis the notices are pub/sub messages sealed with the cluster key; forged ones are
+        dropped and counted (``stats()["wire"]["notice_dropped_*"]``)."""
+        await self._subscriptions.subscribe(session, preload=preload)
+
+    async def unsubscribe(self, session: str | None) -> None:
+        await self._subscriptions.unsubscribe(session)
+
+    async def preloads(self) -> None:
+        """Wait until the notices of every publish finished so far have arrived and every
+        preload they started has finished."""
+        await self._subscriptions.preloads()
+
+    async def _rejoined(self) -> None:
+        await self._subscriptions.rejoined()
 
     # -- access -------------------------------------------------------------------------------
 
@@ -142,7 +215,7 @@ class ParamsPool(PoolSubscriptions):
                     owners = s.active
                 if session is not None:
                     for owner in owners:
-                        await self._bind_run(owner, session)
+                        await self._matcher.bind_run(owner, session)
             await meta.publish(self.name, self.node, session, keys, locs)
 
     async def writable(self, owner: str, slot: int) -> int:
@@ -162,7 +235,7 @@ class ParamsPool(PoolSubscriptions):
         for sub, sl in self.layout.coords():
             self.view(new, sub, sl).copy_(self.view(slot, sub, sl))
         self._core.slot(new).fill = self.fill(slot)
-        await self._unpin(slot, owner)
+        await self._matcher.unpin(slot, owner)
         return new
 
     # -- observability ------------------------------------------------------------------------

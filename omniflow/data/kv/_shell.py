@@ -1,12 +1,10 @@
 """The Params Pool's state and lifecycle: open, keys, signed node records, serving pulls.
 
-``ParamsPool`` is built in layers, each a class over the one below, each one responsibility
-(a layer calls only down): ``PoolShell`` (this: state, open/close, the cluster key, node
-records, the pages a pull asks for) -> ``PoolMoves`` (``_moves``: plans cleared with the
-metadata, allocation, readback) -> ``PoolFetch`` (``_fetch``: pages of other processes, viewed
-in place or pulled) -> ``PoolMatch`` (``_match``: match, pins, release) ->
-``PoolSubscriptions`` (``_subscribe``: publish notifications and preload) -> ``ParamsPool``
-(``_pool``: the public surface).
+``ParamsPool`` (``_pool``) is this shell and owns its parts, each one responsibility over the
+shell's state: ``PoolMoves`` (``_moves``: plans cleared with the metadata, allocation,
+readback), ``PoolFetch`` (``_fetch``: pages of other processes, viewed in place or pulled),
+``PoolMatch`` (``_match``: match, pins, release) and ``PoolSubscriptions`` (``_subscribe``:
+publish notifications and preload).
 
 The shell owns everything with a side effect: the tensors (``_tiers``), the metadata backend
 (``_meta`` / ``_redis`` / ``_hosted``), the pull server and client (``_pull``), the asyncio
@@ -33,6 +31,7 @@ from omniflow.data.kv._layout import PageLayout
 from omniflow.data.kv._lease import Shunned
 from omniflow.data.kv._meta import MemoryMetadata, Metadata
 from omniflow.data.kv._notice import NoticeSeal
+from omniflow.data.kv._places import Foreign, loc
 from omniflow.data.kv._slots import TIERS, SlotCore
 from omniflow.transport._auth import KEY_ENV, WireStats, generate_key, resolve_key
 
@@ -49,42 +48,6 @@ logger = logging.getLogger("omniflow.kv")
 HOST = socket.gethostname()
 #: Foreign slots (another process's L2 page, viewed in place) get ids from here up.
 _FOREIGN_BASE = 1 << 40
-
-
-def loc(tier: int, index: int, fill: int) -> str:
-    """A replica's location in the metadata."""
-    return f"{tier}:{index}:{fill}"
-
-
-def parse_loc(text: str) -> tuple[int, int, int]:
-    tier, index, fill = text.split(":")
-    return int(tier), int(index), int(fill)
-
-
-def check_owner(pool: str, owner: Any) -> str:
-    if not isinstance(owner, str) or not owner:
-        raise DataError(
-            f"pool '{pool}': an owner must be a non-empty str (a call id), got {owner!r}"
-        )
-    return owner
-
-
-class Foreign:
-    """A page of another process's shared tier (its L2, or a co-located pool's shared L1) on
-    this host, viewed in place and locked for readers."""
-
-    __slots__ = ("fill", "index", "key", "owners", "provider", "tier")
-
-    def __init__(self, provider: str, index: int, key: str, fill: int, tier: int = 1) -> None:
-        #: The node whose shared tier holds it, the tier (1: L2, 0: a shared L1), the index
-        #: there, its hash and fill.
-        self.provider = provider
-        self.tier = tier
-        self.index = index
-        self.key = key
-        self.fill = fill
-        #: Owners here that pin it (the replica lock is given back when none is left).
-        self.owners: set[str] = set()
 
 
 class PoolShell:
