@@ -3,6 +3,7 @@ and ``omniflow story``), all behind the same checks as every route."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -95,7 +96,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 )
 def test_ui_in_headless_chromium(tmp_path: Path) -> None:
     """A screenshot while calls run shows fig3's nodes with non-zero counters (read from the
-    page's DOM); the PNG is docs/img/ui.png (shown in the README)."""
+    page's DOM); with ``OMNIFLOW_UPDATE_DOCS_IMG=1`` the PNG becomes docs/img/ui.png (shown in
+    the README), so a test run leaves the checkout clean."""
     assert CHROMIUM is not None
     with run_server(FIG3, tmp=tmp_path) as server:
         stop = threading.Event()
@@ -133,4 +135,5 @@ def test_ui_in_headless_chromium(tmp_path: Path) -> None:
     rates = re.findall(r'data-key="rate"[^>]*data-value="([0-9.]+)"', dom)
     assert rates and any(float(v) > 0 for v in rates)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    shutil.copyfile(png, ROOT / "docs" / "img" / "ui.png")
+    if os.environ.get("OMNIFLOW_UPDATE_DOCS_IMG"):  # (the README's picture, refreshed on ask)
+        shutil.copyfile(png, ROOT / "docs" / "img" / "ui.png")
