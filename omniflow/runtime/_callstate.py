@@ -64,6 +64,7 @@ LIFE: dict[CallLife, frozenset[CallLife]] = {
     CallLife.CRASHED: frozenset(),
 }
 _CLOSING = frozenset({CallLife.CLOSING, CallLife.CLOSED, CallLife.CRASHED})
+_OPEN = CallLife.OPEN
 _FINISHED = frozenset({CallLife.FINISHED, CallLife.CLOSED, CallLife.CRASHED})
 
 
@@ -73,6 +74,40 @@ class LifeError(AssertionError):
 
 class CallState:
     """The state all parts of one call's core share (``CallCore`` is one)."""
+
+    __slots__ = (
+        "_aids",
+        "_counted",
+        "_held",
+        "_out_cancel",
+        "_out_emit",
+        "_out_release",
+        "_out_run",
+        "_pump_later",
+        "_running_per_node",
+        "_shuffle",
+        "_stamp_no",
+        "_story",
+        "_touched",
+        "_waiters",
+        "blive",
+        "c",
+        "call_id",
+        "closing",
+        "errors",
+        "finished",
+        "graph",
+        "life",
+        "live",
+        "n_acts",
+        "n_parked",
+        "refcounts",
+        "running",
+        "stimuli",
+        "stopped_by",
+        "unsettled",
+        "warnings",
+    )
 
     def __init__(
         self,
@@ -106,7 +141,7 @@ class CallState:
         self._shuffle = shuffle
         self._story = story
         #: The call's life (moved by ``_become`` only).
-        self.life = CallLife.OPEN
+        self.life = _OPEN
         #: ``life`` is CLOSING, CLOSED or CRASHED: start nothing (read on the hot path, and
         #: by the shell; written by ``_become`` only).
         self.closing = False

@@ -70,6 +70,18 @@ PENDING, RUNNING, DONE = ActState.PENDING, ActState.RUNNING, ActState.DONE
 class CallCore(CallState):
     """Scheduling state of one graph call."""
 
+    __slots__ = (
+        "_blocked",
+        "_handlers",
+        "_iterations",
+        "_settle",
+        "buckets",
+        "gather",
+        "latches",
+        "orders",
+        "settler",
+    )
+
     def __init__(
         self,
         compiled: Compiled,
