@@ -57,6 +57,12 @@ def test_the_repository_gates() -> None:
     assert core.min == 100
     assert {Path(p).name for p in core.paths} == {
         "_core.py",
+        "_callstate.py",
+        "_latches.py",
+        "_session.py",
+        "_gather.py",
+        "_settle.py",
+        "_validate.py",
         "_buckets.py",
         "_liveness.py",
         "_ordering.py",

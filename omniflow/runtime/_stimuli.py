@@ -53,7 +53,7 @@ Emit = tuple[str, Any, str, int]
 
 class ActState(enum.Enum):
     """Where an activation stands. PENDING -> RUNNING -> DONE, or PENDING -> DONE (dropped,
-    or DEAD on a latch); nothing else (``CallCore._move`` enforces it)."""
+    or DEAD on a latch); nothing else (``CallState._move`` enforces it)."""
 
     #: Admitted; waits for its turn (session order, max_concurrency) or a latched value.
     PENDING = "pending"
@@ -113,7 +113,7 @@ class Activation:
         #: Nearest SeqId entry of the inputs (stream and index used for ordering).
         self.seq = seq
         #: PENDING, RUNNING or DONE (born PENDING, or RUNNING when admitted straight to
-        #: running; moved by ``CallCore._move`` only).
+        #: running; moved by ``CallState._move`` only).
         self.state = state
         #: Frames produced so far (the next frame's yield index; counted for stamping nodes).
         self.yidx = 0

@@ -195,7 +195,7 @@ def test_a_latched_ref_is_held_once_per_pairing_and_by_the_latch_until_the_call_
     (src, alt) = sorted(sh(Start({"request": 1})).run, key=lambda a: a.node)[::-1]
     assert src.node == "src.run"
     sh(Produced(src, {"tok": 1}))  # tts parks: voice has not come
-    assert core._n_parked == 1
+    assert core.n_parked == 1
     core.validate()
     sh(Produced(src, {"voice": ref, "tok": 2}))  # the latch takes it, both tts run
     tts = sh.of("tts.run")
@@ -214,9 +214,9 @@ def test_cancel_drops_activations_parked_on_a_latch() -> None:
     sh = _Shell(core)
     src = next(a for a in sh(Start({"request": 1})).run if a.node == "src.run")
     sh(Produced(src, {"tok": 1}))
-    assert core._n_parked == 1
+    assert core.n_parked == 1
     sh(Cancel())
-    assert core._n_parked == 0 and not any(lt.parked for lt in core._latches.values())
+    assert core.n_parked == 0 and not core.latches.parked()
     core.validate()
     sh.drain()
     assert core.status == "cancelled"
@@ -239,11 +239,11 @@ def _midway() -> tuple[CallCore, _Shell]:
     ("corrupt", "message"),
     [
         (lambda c: c._touched.append(next(iter(c.buckets.values()))), "left unsettled"),
-        (lambda c: setattr(c, "_n_parked", 1), "parked on latches, 1 counted"),
+        (lambda c: setattr(c, "n_parked", 1), "parked on latches, 1 counted"),
         (lambda c: c._waiters.clear(), "gathers but nobody wakes it"),
         (lambda c: c.refcounts.__setitem__(_ref(9), 1), "refcounts drifted"),
         (lambda c: setattr(c, "n_acts", c.n_acts + 1), "activations are known"),
-        (lambda c: c._spent.update(dict.fromkeys(c.buckets, "dead")), "gathering and spent"),
+        (lambda c: c.gather.spent.update(dict.fromkeys(c.buckets, "dead")), "gathering and spent"),
         (lambda c: setattr(c, "finished", True), "finished with work left"),
         (lambda c: c.live.inc(((("x", 1, 0)),), "left.run"), "liveness drifted"),
     ],
@@ -394,6 +394,18 @@ def test_a_crashed_call_ignores_every_later_stimulus() -> None:
     assert running[0].state is ActState.RUNNING  # nothing moved after the crash
 
 
+def test_the_call_life_moves_only_along_its_table() -> None:
+    from omniflow.runtime._callstate import CallLife, LifeError
+
+    core, sh = _midway()
+    assert core.life is CallLife.OPEN and not core.closing and not core.finished
+    sh(Cancel())
+    assert core.life is CallLife.CLOSING and core.closing and not core.finished
+    with pytest.raises(LifeError, match="cannot move from CLOSING to FINISHED"):
+        core._become(CallLife.FINISHED)
+    assert core.life is CallLife.CLOSING  # nothing moved
+
+
 def test_frames_after_a_bucket_fired_are_errors_naming_the_rule() -> None:
     """join takes exactly two y frames (a third breaks activate_by_count, though its bucket
     already fired); pick's plain x meets two producers frame by frame (a second x breaks it)."""
@@ -482,7 +494,7 @@ def test_an_activation_parked_on_its_second_latch_keeps_the_first_value() -> Non
     second = "voice" if first == "style" else "style"
     sh(Produced(v, {first: "one"}))
     sh(Produced(t, {"tok": ref}))  # pairs the first latch, parks on the second
-    assert core._n_parked == 1 and not sh.of("say.run")
+    assert core.n_parked == 1 and not sh.of("say.run")
     core.validate()
     sh(Produced(v, {second: ref}))
     (say,) = sh.of("say.run")
@@ -497,9 +509,9 @@ def test_a_latch_that_ended_empty_kills_parked_and_later_activations() -> None:
     ref = _ref(8)
     core, sh, v, t = _latch2("c13")
     sh(Produced(t, {"tok": ref}))
-    assert core._n_parked == 1
+    assert core.n_parked == 1
     sh(Ended(v))  # no latched frame ever: the parked activation is DEAD, with a warning
-    assert core._n_parked == 0 and len(core.warnings) == 1
+    assert core.n_parked == 0 and len(core.warnings) == 1
     assert core.refcounts == {} and sh.released == [ref]
     sh(Produced(t, {"tok": 2}))  # a later one is DEAD at once
     assert len(core.warnings) == 2 and not sh.of("say.run")
@@ -660,7 +672,7 @@ def test_a_collect_bucket_dies_when_a_critical_field_ends_empty_and_warns() -> N
     ins = sh(Returned(b, None))
     assert ins.finished and ins.release == (ref,)
     assert [(w["node"], w["field"]) for w in core.warnings] == [("both.run", "y")]
-    assert not core._dead_seen and core.status == "ok"
+    assert not core.gather._dead_seen and core.status == "ok"
 
 
 class _Feed(of.Role):
@@ -699,7 +711,7 @@ def test_a_session_index_waits_for_its_activation_parked_on_a_latch() -> None:
     (v,) = sh.of("v.run")
     sh(Produced(feed, {"item": "i0"}))
     sh(Produced(feed, {"other": "o1"}))
-    assert not sh.of("styled.run") and core._n_parked == 1
+    assert not sh.of("styled.run") and core.n_parked == 1
     core.validate()
     sh(Produced(v, {"style": "s"}))
     (first,) = sh.of("styled.run")
@@ -880,7 +892,7 @@ def test_a_bucket_that_fires_in_a_closing_call_starts_nothing_and_lets_go_of_its
     assert not ins.run and ins.finished
     assert ins.release == (ref, ref)  # one hold each: the refused loop's, zfirst's bucket's
     assert core.refcounts == {} and not core.buckets and core.n_acts == 0
-    assert core._spent == {("zfirst.run", 0, ("<input>", 0, 0)): "fired"}
+    assert core.gather.spent == {("zfirst.run", 0, ("<input>", 0, 0)): "fired"}
     assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
     core.validate()
 
@@ -917,7 +929,7 @@ def _out_of_order() -> tuple[CallCore, _Shell, Activation]:
     tap0, tap1 = sh.of("tap.run")
     sh(Returned(tap1, {"out": 1}))
     assert not sh.emitted
-    (so,) = core._caller.values()
+    (so,) = core.orders._caller.values()
     assert so.watching == 0 and list(so.pending) == [1]
     core.validate()
     return core, sh, tap0
@@ -990,7 +1002,7 @@ def test_a_bucket_completed_then_dropped_in_one_stimulus_never_fires() -> None:
     assert list(core.buckets) == [("pair.run", 0, ("<input>", 0, 0))]
     ins = sh(Returned(loop, {"y": y, "again": 1}))
     assert not ins.run and ins.finished and sorted(ins.release, key=str) == [x, y]
-    assert core._spent == {("pair.run", 0, ("<input>", 0, 0)): "dead"}
+    assert core.gather.spent == {("pair.run", 0, ("<input>", 0, 0)): "dead"}
     assert core.refcounts == {} and not core._touched
     assert core.status == "error" and "max_iterations=1" in str(core.errors[0])
     core.validate()
@@ -1062,11 +1074,11 @@ def test_a_collect_activation_waits_on_its_latch_and_runs_when_the_value_comes()
     sh(Produced(t, {"tok": 1}))
     sh(Produced(t, {"tok": 2}))
     sh(Ended(t))
-    assert not sh.of("say.run") and core._n_parked == 1 and not core.buckets
+    assert not sh.of("say.run") and core.n_parked == 1 and not core.buckets
     core.validate()
     sh(Produced(v, {"style": "calm"}))
     (say,) = sh.of("say.run")
-    assert say.kwargs == {"tok": [1, 2], "style": "calm"} and core._n_parked == 0
+    assert say.kwargs == {"tok": [1, 2], "style": "calm"} and core.n_parked == 0
     core.validate()
     sh.drain()
     assert core.status == "ok" and not core.live.counts
@@ -1154,7 +1166,7 @@ def test_an_end_that_cannot_feed_the_output_leaves_its_held_index_waiting() -> N
     sh(Returned(tap1, {"out": 1}))
     sh(Returned(aside0, {"note": 0}))
     assert not sh.emitted
-    (so,) = core._caller.values()
+    (so,) = core.orders._caller.values()
     assert so.watching == 0
     core.validate()
     sh(Returned(tap0, {"out": 0}))
@@ -1535,9 +1547,9 @@ def test_validate_names_a_broken_session_group_order() -> None:
     with pytest.raises(AssertionError, match="while nothing runs"):
         core.validate()
     core.running = running
-    (key,) = core._seq_buckets
-    buckets = core._seq_buckets.pop(key)
+    (key,) = core.orders.seq_buckets
+    buckets = core.orders.seq_buckets.pop(key)
     with pytest.raises(AssertionError, match="session buckets by SeqId drifted"):
         core.validate()
-    core._seq_buckets[key] = buckets
+    core.orders.seq_buckets[key] = buckets
     core.validate()

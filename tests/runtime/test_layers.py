@@ -23,6 +23,12 @@ PACKAGE = Path(omniflow.__file__).parent
 
 PURE_RUNTIME = (
     "_core",
+    "_callstate",
+    "_latches",
+    "_session",
+    "_gather",
+    "_settle",
+    "_validate",
     "_buckets",
     "_liveness",
     "_ordering",

@@ -45,7 +45,7 @@ async def test_fields_of_one_generator_frame_pair_up_per_frame(runtime: Any) -> 
 async def test_an_internal_error_ends_the_call_not_the_runtime(
     runtime: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omniflow.runtime import _core
+    from omniflow.runtime import _session
 
     class Gen(of.Role):
         @of.interface(inputs_or=[["n"]], outputs=["x"])
@@ -56,7 +56,7 @@ async def test_an_internal_error_ends_the_call_not_the_runtime(
 
     g = of.Graph("crash", roles={"g": Gen()}, inputs=[of.Placeholder("n")], outputs=["x"])
     rt = await runtime(g)
-    original = _core.CallCore._emit
+    original = _session.Orders.emit
     seen = 0
 
     def flaky(self: Any, *args: Any) -> None:
@@ -66,14 +66,14 @@ async def test_an_internal_error_ends_the_call_not_the_runtime(
             raise RuntimeError("injected")
         original(self, *args)
 
-    monkeypatch.setattr(_core.CallCore, "_emit", flaky)
+    monkeypatch.setattr(_session.Orders, "emit", flaky)
     call = rt.call("crash", {"n": 10})
     got = [f.value async for f in call]
     assert got == [0, 1]
     assert call.status == "error"
     assert [e.node for e in call.errors] == ["<runtime>"]
     assert "internal error RuntimeError: injected" in str(call.errors[0])
-    monkeypatch.setattr(_core.CallCore, "_emit", original)
+    monkeypatch.setattr(_session.Orders, "emit", original)
     assert await rt.run("crash", {"n": 3}) == {"x": [0, 1, 2]}
 
 
