@@ -130,22 +130,29 @@ def test_chat_audio_whole_and_streamed(client: openai.OpenAI, model: str, tmp_pa
     assert len(streamed) > 0 and np.array_equal(streamed, np.frombuffer(whole, "<i2"))
 
 
-def test_first_audio_leaves_before_the_last_text(client: openai.OpenAI) -> None:
-    """voice_chat speaks sentence by sentence: the first sentence's audio is sent while the LLM
-    still generates. The answer is long (300 tokens, cut into sentences of at most 160
-    characters) so that its generation outlasts one sentence's synthesis many times over."""
-    stream = client.chat.completions.create(
-        model="voice_chat", messages=user("hello"), modalities=["text", "audio"], audio=PCM,
-        max_tokens=300, stream=True, **GREEDY,
-    )  # fmt: skip
-    kinds = []
-    for chunk in stream:
-        if chunk_audio(chunk) is not None:
-            kinds.append("audio")
-        elif chunk.choices and chunk.choices[0].delta.content:
-            kinds.append("text")
+async def test_first_audio_leaves_before_the_last_text(inproc: Any) -> None:
+    """Sentences are spoken as they come: the first sentence's audio leaves while the answer
+    is still being generated. Deterministic: the scripted answer (``_ttfa_graph``) goes on
+    only once the real TTS made the first sentence's speech, so were it not streamed the call
+    would hang (a hang guard fails it); the first audio chunk precedes the last text chunk."""
+    import httpx
+
+    s = await inproc(str(Path(__file__).with_name("_ttfa_graph.py")))
+    transport = httpx.ASGITransport(app=s.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
+        client = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="-", http_client=http)
+        stream = await client.chat.completions.create(
+            model="ttfa", messages=user("hello"), modalities=["text", "audio"], audio=PCM,
+            stream=True,
+        )  # fmt: skip
+        kinds = []
+        async for chunk in stream:
+            if chunk_audio(chunk) is not None:
+                kinds.append("audio")
+            elif chunk.choices and chunk.choices[0].delta.content:
+                kinds.append("text")
     last_text = len(kinds) - 1 - kinds[::-1].index("text")
-    assert kinds.index("audio") < last_text, kinds
+    assert "audio" in kinds and kinds.index("audio") < last_text, kinds
 
 
 # -- speech, transcriptions, images -----------------------------------------------------------
