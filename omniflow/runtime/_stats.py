@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from omniflow.data._plane import STATISTICS_KEYS, DataPlane
+from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._call import Call
 from omniflow.runtime._remote import RemoteRoles
@@ -25,6 +26,7 @@ class RuntimeStatistics:
     _batchers: dict[str, Batcher]
     remote: RemoteRoles | None
     plane: DataPlane | None
+    _pools: dict[str, Any]
 
     def stats(self) -> dict[str, int]:
         """Open buckets, in-flight activations and active calls, over the whole runtime."""
@@ -91,6 +93,22 @@ class RuntimeStatistics:
             return {**WireStats().snapshot(), "forged_records": 0, "restarts": {},
                     "live_replicas": {}}  # fmt: skip
         return self.remote.wire_statistics()
+
+    async def params_pool_stats(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Each opened Params Pool's ``stats()`` by pool name, of this process (``"<front>"``)
+        and of each live worker replica that has opened one (its ``StatsReply.pools``), by
+        replica id: how a co-located node's pools read each other's pages (``shared``,
+        ``bytes_moved``, ``l1_segments``, ``foreign_segments``). A replica that does not answer
+        within ``timeout`` is left out."""
+        out: dict[str, dict[str, Any]] = {}
+        mine = opened_pool_stats(self._pools.values())
+        if mine:
+            out["<front>"] = mine
+        if self.remote is not None:
+            for name, body in sorted((await self.remote.worker_stats(timeout)).items()):
+                if body.get("pools"):
+                    out[name] = body["pools"]
+        return out
 
     def data_plane_stats(self) -> dict[str, int]:
         """This process's buffer pool (all zeros while no role runs in a worker process)."""

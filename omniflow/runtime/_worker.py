@@ -38,6 +38,7 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
 from omniflow._loader import load_graphs
+from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._launch import START_ERROR_ENV
@@ -437,6 +438,7 @@ class Worker(Activations, ForwardLinks, CallState):
                             "links": len(self._links),
                             "link_queued": sum(len(link.out) for link in self._links.values()),
                         },
+                        opened_pool_stats(self._pools.values()) or None,
                     ),
                 )
             case SourceLost(addr=addr, pid=pid):
