@@ -13,6 +13,8 @@ from omniflow.data._plane import STATISTICS_KEYS, DataPlane
 from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._call import Call
+from omniflow.runtime._launch import EDGES_KEY
+from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._remote import RemoteRoles
 from omniflow.transport._auth import WireStats
 
@@ -27,6 +29,7 @@ class RuntimeStatistics:
     remote: RemoteRoles | None
     plane: DataPlane | None
     _pools: dict[str, Any]
+    metrics: RuntimeMetrics | None
 
     def stats(self) -> dict[str, int]:
         """Open buckets, in-flight activations and active calls, over the whole runtime."""
@@ -69,9 +72,20 @@ class RuntimeStatistics:
             out["<front>"] = mine
         if self.remote is not None:
             for rep in self.remote.fleet.replicas.values():
-                if rep.alive and rep.batches:
-                    out[rep.replica_id] = rep.batches
+                st = rep.batches
+                if rep.alive and st:
+                    if EDGES_KEY in st:  # (the edge bytes ride along: edge_bytes())
+                        st = {n: v for n, v in st.items() if n != EDGES_KEY}
+                    if st:
+                        out[rep.replica_id] = st
         return out
+
+    def edge_bytes(self) -> dict[tuple[str, str, str, str], int]:
+        """Bytes moved between processes per edge (graph, producer, field, consumer) while
+        metrics are on: runs the front sent, forwards its workers reported ({}: none)."""
+        if self.remote is None or self.metrics is None:
+            return {}
+        return self.remote.edge_byte_totals()
 
     def readiness(self) -> list[str]:
         """Roles that have no live replica right now (sorted); [] when every role can serve.
