@@ -1,6 +1,13 @@
 """Weight memory of 3 processes holding one ~200 MB model: ``of.shared_module`` vs private copies.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_sharing.py [--width 2048] [--depth 12]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_sharing.py --engines [--layers 16]
+
+``--engines``: two ``TorchEngine`` replicas of one tiny-Llama checkpoint (~250 MB with the
+default 16 layers) in two processes (``tests.compute._engine_share_worker``), alive together,
+with shared weights (the default) and with ``share_weights=False``: the sum of their PSS above
+baseline against one copy (the checkpoint's safetensors size), and their greedy tokens compared
+with each other's.
 
 Each process (``omniflow.testing._share_worker``) reads its proportional set size (``Pss`` of
 ``/proc/self/smaps_rollup``) once torch is imported (its baseline), then loads the MLP either
@@ -76,11 +83,61 @@ def run(mode: str, wdir: str, width: int, depth: int) -> tuple[int, set[str], fl
     return total, outs, ready_s
 
 
+def run_engines(mode: str, model: str, n: int = 2) -> tuple[int, set[str], float]:
+    """``n`` TorchEngine replicas of ``model``, alive together: (sum of PSS above baseline in
+    KiB, their greedy token ids, seconds until all generated)."""
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.compute._engine_share_worker", mode, model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
+    try:
+        bases = [int(_line(p, "base")[0]) for p in procs]
+        outs = {_line(p, "out")[0] for p in procs}
+        ready_s = time.perf_counter() - t0
+        total = sum(int(_line(p, "pss")[0]) - b for p, b in zip(procs, bases, strict=True))
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=60)
+    return total, outs, ready_s
+
+
+def engines(layers: int) -> None:
+    from omniflow.compute._tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(
+            os.path.join(tmp, "m"), hidden_size=640, layers=layers, heads=10, kv_heads=10
+        )
+        copy_kb = sum(f.stat().st_size for f in model.glob("*.safetensors")) // 1024
+        print(f"checkpoint: tiny Llama, {layers} layers, float32 = {copy_kb / 1024:.1f} MiB")
+        results = {}
+        for mode in ("shared", "private"):
+            total, outs, ready_s = run_engines(mode, str(model))
+            results[mode] = outs
+            print(
+                f"{mode:8s}: 2 TorchEngine replicas use {total / 1024:7.1f} MiB PSS above "
+                f"baseline = {total / copy_kb:.2f}x one copy (generated after {ready_s:.1f} s)"
+            )
+        same = len(results["shared"] | results["private"]) == 1
+        print(f"tokens of the 2 shared and 2 private replicas identical: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=12)
+    ap.add_argument("--engines", action="store_true", help="two TorchEngine replicas instead")
+    ap.add_argument("--layers", type=int, default=16, help="--engines: the checkpoint's layers")
     args = ap.parse_args()
+    if args.engines:
+        engines(args.layers)
+        return
     copy_kb = args.depth * (args.width * args.width + args.width) * 4 // 1024
     with tempfile.TemporaryDirectory() as tmp:
         wdir = os.path.join(tmp, "w")

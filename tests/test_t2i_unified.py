@@ -112,3 +112,41 @@ def test_t2i_unified_runs_unchanged_in_every_placement(where: str, tmp_path: Any
     finally:
         if started:
             ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["process", "deploy"])
+def test_across_processes_the_dit_reads_the_llms_pages_in_its_shared_memory(where: str) -> None:
+    """Each role in its own process: after a call, the DiT's pool viewed the LLM's published
+    pages in place (``shared`` > 0, ``bytes_moved`` 0 on both) and every segment it viewed is
+    one of the LLM pool's own shared L1 segments (``rt.params_pool_stats()``). Both in one
+    Deploy process group: one pool instance, the DiT's match hits, nothing moved."""
+    graph = load_graphs("graphs/t2i_unified.py")[0]
+    placement: Any = where
+    if where == "deploy":
+        placement = of.Deploy({"llm": {"process": "gpu0"}, "dit": {"process": "gpu0"}})
+
+    async def go() -> dict[str, dict[str, Any]]:
+        async with of.Runtime(graph, placement=placement) as rt:
+            await rt.run("t2i_unified", {"prompt": "a red cube on a blue table", "size": None})
+            return await rt.params_pool_stats()
+
+    stats = asyncio.run(go())
+    # The roles' processes open the pool (a "<front>" entry is this test process's own
+    # instance, left by an inproc run of the same module before, if any).
+    pools = [p["t2i-kv"] for rid, p in stats.items() if rid != "<front>"]
+    if where == "deploy":  # one process group: one pool instance, the DiT hits the LLM's pages
+        assert len(pools) == 1, stats
+        assert pools[0]["hits"] > 0 and pools[0]["bytes_moved"] == 0
+        assert pools[0]["foreign_segments"] == [] and pools[0]["pinned"] == 0
+        return
+    assert len(pools) == 2, stats  # one instance per process, both opened
+    dit = [p for p in pools if p["foreign_segments"]]
+    llm = [p for p in pools if not p["foreign_segments"]]
+    assert len(dit) == len(llm) == 1, stats
+    assert dit[0]["shared"] > 0  # pages viewed in place, not pulled
+    assert dit[0]["pulled"] == 0
+    assert dit[0]["bytes_moved"] == llm[0]["bytes_moved"] == 0
+    assert llm[0]["l1_segments"] and dit[0]["l1_segments"]  # both L1s in shared memory
+    assert set(dit[0]["foreign_segments"]) <= set(llm[0]["l1_segments"])
+    assert dit[0]["pinned"] == llm[0]["pinned"] == 0

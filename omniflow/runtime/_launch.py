@@ -44,6 +44,11 @@ logger = logging.getLogger("omniflow.runtime")
 START_ERROR_ENV = "OMNIFLOW_START_ERROR_FILE"
 #: Environment variable naming a worker's co-location group on its node (see ``colocation_key``).
 COLOCATE_ENV = "OMNIFLOW_COLOCATE"
+#: Set to "1" by a front with metrics on in the workers it starts: they count the bytes they
+#: forward per edge and report them in their heartbeats (``EDGES_KEY``).
+EDGE_BYTES_ENV = "OMNIFLOW_EDGE_BYTES"
+#: The key of the heartbeat's ``st`` under which the edge bytes ride (no node is named so).
+EDGES_KEY = "<edges>"
 
 
 def colocation_group(owner: str, where: str) -> str:
@@ -216,6 +221,8 @@ class SubprocessLauncher(Launcher):
         #: The fork servers started, one per working directory and environment they serve.
         self._servers: list[ForkServer] = []
         self._starting = asyncio.Lock()  # (starts come concurrently: one server each)
+        #: Whether the workers count the bytes they forward per edge (the front's metrics).
+        self.edge_bytes = False
 
     async def start(self, spec: LaunchSpec) -> SubprocessHandle | ForkedHandle:
         address = local_url(f"{spec.workdir}/w{spec.index}.sock")
@@ -239,6 +246,8 @@ class SubprocessLauncher(Launcher):
             START_ERROR_ENV: err_file,
             COLOCATE_ENV: colocation_group(spec.owner, f"slot{spec.slot}"),
         }
+        if self.edge_bytes:
+            env[EDGE_BYTES_ENV] = "1"
         if fast_path_enabled() and forking_supported():
             try:
                 child = await self._fork(cmd, env)

@@ -91,6 +91,9 @@ class RuntimeMetrics:
     #: Real-time factor of each call's ``of.Audio`` output field (call seconds per second of
     #: audio it carried; below 1: faster than real time), per (graph, field).
     audio_rtf: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    #: Encoded bytes of the runs this front sent to workers, per edge (graph, producer,
+    #: field, consumer); a worker counts what it sends and says so in its heartbeats.
+    edge_bytes: dict[tuple[str, str, str, str], int] = field(default_factory=dict)
 
     def node(self, graph: str, node: str) -> NodeMetrics:
         m = self.nodes.get((graph, node))

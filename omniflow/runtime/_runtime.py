@@ -208,6 +208,8 @@ class Runtime(RuntimeStatistics):
         if key is not None:  # this process's pools pull with the deployment's key too
             for pool in self._pools.values():
                 pool.set_cluster_key(key)
+        if self.remote is not None and self.metrics is not None:  # bytes moved per edge
+            self.remote.count_edge_bytes(self.metrics.edge_bytes)
         if self.remote is not None and self._pools:
             self.remote.track_calls = True
             for pool in self._pools.values():  # metadata=None: the one the front hosts

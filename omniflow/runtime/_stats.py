@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from omniflow.data._plane import STATISTICS_KEYS, DataPlane
+from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._call import Call
+from omniflow.runtime._launch import EDGES_KEY
+from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._remote import RemoteRoles
 from omniflow.transport._auth import WireStats
 
@@ -25,6 +28,8 @@ class RuntimeStatistics:
     _batchers: dict[str, Batcher]
     remote: RemoteRoles | None
     plane: DataPlane | None
+    _pools: dict[str, Any]
+    metrics: RuntimeMetrics | None
 
     def stats(self) -> dict[str, int]:
         """Open buckets, in-flight activations and active calls, over the whole runtime."""
@@ -67,9 +72,20 @@ class RuntimeStatistics:
             out["<front>"] = mine
         if self.remote is not None:
             for rep in self.remote.fleet.replicas.values():
-                if rep.alive and rep.batches:
-                    out[rep.replica_id] = rep.batches
+                st = rep.batches
+                if rep.alive and st:
+                    if EDGES_KEY in st:  # (the edge bytes ride along: edge_bytes())
+                        st = {n: v for n, v in st.items() if n != EDGES_KEY}
+                    if st:
+                        out[rep.replica_id] = st
         return out
+
+    def edge_bytes(self) -> dict[tuple[str, str, str, str], int]:
+        """Bytes moved between processes per edge (graph, producer, field, consumer) while
+        metrics are on: runs the front sent, forwards its workers reported ({}: none)."""
+        if self.remote is None or self.metrics is None:
+            return {}
+        return self.remote.edge_byte_totals()
 
     def readiness(self) -> list[str]:
         """Roles that have no live replica right now (sorted); [] when every role can serve.
@@ -91,6 +107,22 @@ class RuntimeStatistics:
             return {**WireStats().snapshot(), "forged_records": 0, "restarts": {},
                     "live_replicas": {}}  # fmt: skip
         return self.remote.wire_statistics()
+
+    async def params_pool_stats(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Each opened Params Pool's ``stats()`` by pool name, of this process (``"<front>"``)
+        and of each live worker replica that has opened one (its ``StatsReply.pools``), by
+        replica id: how a co-located node's pools read each other's pages (``shared``,
+        ``bytes_moved``, ``l1_segments``, ``foreign_segments``). A replica that does not answer
+        within ``timeout`` is left out."""
+        out: dict[str, dict[str, Any]] = {}
+        mine = opened_pool_stats(self._pools.values())
+        if mine:
+            out["<front>"] = mine
+        if self.remote is not None:
+            for name, body in sorted((await self.remote.worker_stats(timeout)).items()):
+                if body.get("pools"):
+                    out[name] = body["pools"]
+        return out
 
     def data_plane_stats(self) -> dict[str, int]:
         """This process's buffer pool (all zeros while no role runs in a worker process)."""

@@ -38,9 +38,10 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
 from omniflow._loader import load_graphs
+from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._batcher import Batcher
-from omniflow.runtime._launch import START_ERROR_ENV
+from omniflow.runtime._launch import EDGES_KEY, START_ERROR_ENV
 from omniflow.runtime._setup import setup_role
 from omniflow.runtime._worker_calls import CallState
 from omniflow.runtime._worker_held import envelopes
@@ -376,11 +377,20 @@ class Worker(Activations, ForwardLinks, CallState):
     async def _heartbeat(self) -> None:
         """Tell every front that said hello that this worker lives, as often as it asked."""
         plain = encode_msg(Heartbeat())
+        said = 0  # the edge bytes the last beat said
         while True:
             interval = min(self._intervals.values(), default=self.heartbeat_interval)
             await asyncio.sleep(max(0.01, interval))
             # A worker with batched nodes says how its batchers do (the front's /metrics).
-            beat = encode_msg(Heartbeat(self.batch_stats())) if self._batchers else plain
+            st: dict[str, Any] | None = self.batch_stats() if self._batchers else None
+            eb = self._edge_bytes
+            if eb:  # cumulative; when it changed since the last beat (or batch stats go)
+                total = sum(eb.values())
+                if total != said or st is not None:
+                    said = total
+                    st = st or {}
+                    st[EDGES_KEY] = [[*k, n] for k, n in eb.items()]
+            beat = encode_msg(Heartbeat(st)) if st is not None else plain
             for peer in self._peers:
                 self._out.put_nowait((peer, beat))
 
@@ -437,6 +447,7 @@ class Worker(Activations, ForwardLinks, CallState):
                             "links": len(self._links),
                             "link_queued": sum(len(link.out) for link in self._links.values()),
                         },
+                        opened_pool_stats(self._pools.values()) or None,
                     ),
                 )
             case SourceLost(addr=addr, pid=pid):

@@ -38,7 +38,7 @@ SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 class Fw:
     """The fast-path routes of one running activation, and its next frame index."""
 
-    __slots__ = ("a", "c", "ft", "gr", "k", "q", "routes", "s", "tp")
+    __slots__ = ("a", "c", "ft", "gr", "k", "n", "q", "routes", "s", "tp")
 
     def __init__(self, routes: tuple[Route, ...], run: Run, ft: str) -> None:
         self.routes = routes
@@ -46,6 +46,7 @@ class Fw:
         self.tp = run.tp
         self.c = run.c
         self.a = run.a
+        self.n = run.n
         self.s = run.s
         self.gr = run.gr
         self.q = run.q

@@ -142,11 +142,13 @@ class ForwardLinks(WorkerState):
                         last.qs.append(q)
                     else:
                         items.append(FwdBatch(fw, route, wid, value, q))
+                    size = len(value) if type(value) in (bytes, str) else 8
                 else:  # encoded now: what the value is now (or a batch of one's run: it goes)
                     envelope = encode_fields(
                         Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
                         route.group, q, fw.gr, route.off, route.th, route.conn, route.sub, fw.tp,
                     )  # fmt: skip
+                    size = sum(len(memoryview(b).cast("B")) for b in envelope)
                     if self._direct:  # (sent right after the run's end: ``_take``)
                         self._after_end.append((route.address, envelope))
                     else:
@@ -155,6 +157,10 @@ class ForwardLinks(WorkerState):
                 logger.debug("worker %s: forward to %s failed: %s", self.replica_id,
                              route.address, exc)  # fmt: skip
                 continue
+            eb = self._edge_bytes
+            if eb is not None:  # (/metrics: omniflow_edge_bytes_total; see ``_heartbeat``)
+                ek = (fw.gr, fw.n, f, route.node)
+                eb[ek] = eb.get(ek, 0) + size
             if x is None:
                 x = []
             x.append([r, wid])

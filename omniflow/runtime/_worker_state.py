@@ -28,6 +28,7 @@ from omniflow.data.kv._hosted import HostedMetadata
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._forward import Route
+from omniflow.runtime._launch import EDGE_BYTES_ENV
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime._worker_held import DoneBatch, Fw, FwdBatch, Link
 from omniflow.transport._auth import (
@@ -98,6 +99,11 @@ class WorkerState:
         #: node -> its batcher, for the batched nodes hosted here (``batch=``): one per node,
         #: shared by every front, call and session this replica serves.
         self._batchers: dict[str, Batcher] = {}
+        #: Bytes this worker forwarded to other workers, per edge (graph, producer, field,
+        #: consumer), while its front counts them (EDGE_BYTES_ENV; None: not counted).
+        self._edge_bytes: dict[tuple[str, str, str, str], int] | None = (
+            {} if os.environ.get(EDGE_BYTES_ENV) == "1" else None
+        )
         #: Cancels of forwarded runs that were not here yet: the front's cancel and the
         #: upstream worker's forward come on different connections, so the cancel can be
         #: read first. Such a run, when it comes, ends cancelled without running.

@@ -27,6 +27,10 @@ which the hot path updates without a library call), and ``generate_latest`` writ
     omniflow_batch_wait_seconds_mean{node}, _max    gauge     how long a batch's first activation
                                                               waited (from rt.batch_stats(): the
                                                               nodes this process runs)
+    omniflow_edge_bytes_total{graph,src,field,dst}  counter   encoded bytes of the runs the front
+                                                              sent to workers and the forwards
+                                                              workers sent each other, per edge
+                                                              (rt.edge_bytes(); multi-process)
     omniflow_open_buckets                           gauge     from rt.stats()
     omniflow_inflight_activations                   gauge     from rt.stats()
     omniflow_active_calls                           gauge     from rt.stats()
@@ -291,6 +295,14 @@ class ServeCollector(Collector):
                       [({}, len(rt.sessions()))])  # fmt: skip
         yield from _wire_families(rt.wire_stats())
         yield from _batch_families(rt.replica_batch_stats())
+        edges = rt.edge_bytes()
+        if edges:
+            yield _family(
+                "counter", "omniflow_edge_bytes_total",
+                "Encoded bytes of values that crossed a process boundary, per edge.",
+                ((dict(graph=g, src=s, field=f, dst=d), n)
+                 for (g, s, f, d), n in sorted(edges.items())),
+            )  # fmt: skip
 
 
 def _batch_families(by_replica: dict[str, dict[str, dict[str, Any]]]) -> Iterator[Metric]:

@@ -8,7 +8,8 @@
                                                Dones  (cs, as_, fs, xs)    (good ends, together)
     Release (refs)   EndCall (c, ack)          Heartbeat (st)              (every interval)
                                                CallEnded (c)  (EndCall's ack: released)
-    SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work)
+    SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work,
+                                                           pools)
     StatsRequest (r)   CloseSession (s)
     Stop ()                                    Bye ()  (leaving; repeated while it drains)
     Bye ()     (answer to the worker's bye)        MetaCall (r, op, args)     (front-hosted
@@ -300,6 +301,8 @@ class StatsReply(NamedTuple):
     #: the front's end_call (``calls``), runs with fast-path routes (``forwarding``), forward
     #: ``links`` and messages queued on them (``link_queued``).
     work: dict[str, int] | None = None
+    #: Its opened Params Pools' ``stats()`` by pool name (None: it has opened none).
+    pools: dict[str, Any] | None = None
 
 
 class CloseSession(NamedTuple):
@@ -403,7 +406,7 @@ _SPEC: dict[type, tuple[str, tuple[tuple[type, ...], ...]]] = {
     CallEnded: ("call_ended", ((str,),)),
     SourceLost: ("source_lost", ((str,), (int,))),
     StatsRequest: ("stats", ((int,),)),
-    StatsReply: ("stats_reply", ((int,), (str,), (int,), (dict,), (dict,), (dict, _N))),
+    StatsReply: ("stats_reply", ((int,), (str,), (int,), (dict,), (dict,), (dict, _N), (dict, _N))),
     CloseSession: ("close_session", ((str,),)),
     Stop: ("stop", ()),
     Bye: ("bye", ()),

@@ -191,6 +191,7 @@ class PoolFetch:
             f.owners.add(owner)
             self.pool._owner_foreign.setdefault(owner, set()).add(slot)
             out.append(slot)
+            self.pool._foreign_segments.update(self.pool._attached[provider].segments[tier])
         self.pool.counters["shared"] += n
         return out
 

@@ -26,7 +26,7 @@ the pages, publish, copy-on-write and observability, and hands the rest to the p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # torch is imported when a pool opens, not with omniflow
     import torch
 
 
-__all__ = ["ParamsPool", "chain_hashes"]
+__all__ = ["ParamsPool", "chain_hashes", "opened_pool_stats"]
 
 
 class ParamsPool(PoolShell):
@@ -252,6 +252,10 @@ class ParamsPool(PoolShell):
             "moves": self._core.moved,
             "pulled": self.counters["pulled"],
             "shared": self.counters["shared"],
+            # Shared-memory segments: this pool's own shared L1, and the other pools' tiers it
+            # viewed pages in without a copy (a co-located partner's L1 names are its l1_segments).
+            "l1_segments": [] if self._store is None else list(self._store.l1_segments),
+            "foreign_segments": sorted(self._foreign_segments),
             "notified": self.counters["notified"],
             "preloaded": self.counters["preloaded"],
             "tasks": counts["tasks"],
@@ -286,3 +290,9 @@ class ParamsPool(PoolShell):
 
     def __repr__(self) -> str:
         return f"<ParamsPool '{self.name}' {self.layout.layout_id} {self.capacity}>"
+
+
+def opened_pool_stats(pools: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """``{name: pool.stats()}`` of the pools in ``pools`` that are open (a process's
+    ``StatsReply.pools``; ``rt.params_pool_stats()``)."""
+    return {p.name: p.stats() for p in pools if isinstance(p, ParamsPool) and p.opened}

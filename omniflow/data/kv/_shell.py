@@ -113,6 +113,8 @@ class PoolShell:
         self._foreign: dict[int, Foreign] = {}
         self._foreign_ids = iter(range(_FOREIGN_BASE, 1 << 62))
         self._attached: dict[str, ForeignL2] = {}
+        #: Names of the other pools' shared segments this pool has viewed pages in, in place.
+        self._foreign_segments: set[str] = set()
         #: Node records of other pools (immutable per node id), cached.
         self._infos: dict[str, dict[str, str]] = {}
         self._owner_foreign: dict[str, set[int]] = {}
@@ -174,6 +176,11 @@ class PoolShell:
         self._core = SlotCore(self.capacity, name=self.name)
 
     # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def opened(self) -> bool:
+        """Whether the tiers are allocated (``open()`` done, ``aclose()`` not)."""
+        return self._store is not None
 
     async def open(self) -> None:
         """Allocate the tiers and register with the metadata (done by the first call anyway)."""

@@ -83,6 +83,8 @@ class TierStore:
         self._stores: list[dict[tuple[str, str], torch.Tensor]] = [{}, {}, {}]
         self._segments: list[Segment] = []
         self._maps: list[mmap.mmap] = []
+        #: Names of the shared-memory segments of a shared L1 (empty when L1 is private).
+        self.l1_segments: list[str] = []
         self._l3_tmp: tempfile.TemporaryDirectory[str] | None = None
         self.l3_dir = l3_dir
         try:
@@ -93,6 +95,7 @@ class TierStore:
                     nbytes = self.capacity[L1] * layout.coord_bytes(c[1])
                     seg = Segment.create(f"{prefix}l1_{self._index[c]}", nbytes)
                     self._segments.append(seg)
+                    self.l1_segments.append(seg.name)
                     self._stores[L1][c] = _shaped(seg._mmap, layout, self.capacity[L1], c[1])
                     continue
                 # Not zeroed: a page is always written (by its owner, a readback or a pull)
@@ -277,6 +280,8 @@ class ForeignL2:
         coords = layout.coords()
         self._segments: list[Segment] = []
         self._stores: list[dict[tuple[str, str], torch.Tensor]] = [{}, {}]
+        #: Names of the mapped segments by tier (``[L1, L2]``).
+        self.segments: list[list[str]] = [[], []]
         try:
             for tier, count, fmt in ((L2, pages, "{}_{}"), (L1, l1_pages, "{}l1_{}")):
                 if count <= 0:
@@ -284,6 +289,7 @@ class ForeignL2:
                 for i, c in enumerate(coords):
                     seg = Segment.attach(fmt.format(prefix, i))
                     self._segments.append(seg)
+                    self.segments[tier].append(seg.name)
                     self._stores[tier][c] = _shaped(seg._mmap, layout, count, c[1])
         except BaseException:
             self.close()
