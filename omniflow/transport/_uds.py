@@ -25,7 +25,7 @@ The semantics are those of ``_zmq``'s ROUTER/DEALER, which the fleet and the wor
   the path is refused, a stale file replaced, and the file is removed on close (if it is still
   ours).
 - **With a key** (``bind``/``connect`` ``key=``: the cluster key on both sides), the first
-  message is instead the keyed handshake (``_udswire.Handshake``: hello, challenge, proof;
+  message is instead the keyed handshake (``_udshandshake.Handshake``: hello, challenge, proof;
   each side proves the key for this connection's two nonces). The connected side writes
   nothing else until the bound side's proof held; the bound side delivers nothing of a
   connection, and routes nothing to it, until the connected side's did. A wrong or missing
@@ -78,17 +78,15 @@ from omniflow.transport._base import (
     socket_file_in_use,
 )
 from omniflow.transport._codec import Buffer
+from omniflow.transport._udshandshake import HANDSHAKE, Handshake, peer_uid
 from omniflow.transport._udswire import (
     _ONE,
     EOF,
-    HANDSHAKE,
     MAX_FRAME_BYTES,
     MSG_NOSIGNAL,
     Conn,
-    Handshake,
     Outbox,
     pack,
-    peer_uid,
 )
 
 __all__ = ["UdsTransport"]
