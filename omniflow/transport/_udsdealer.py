@@ -12,19 +12,11 @@ import socket as _socket
 from collections.abc import Sequence
 from typing import Final
 
-from omniflow.transport._base import (
-    EndpointState,
-    Packet,
-)
+from omniflow.transport._base import EndpointState, Packet
 from omniflow.transport._codec import Buffer
 from omniflow.transport._udsendpoint import SOCK_FLAGS, UdsEndpoint
 from omniflow.transport._udshandshake import HANDSHAKE
-from omniflow.transport._udswire import (
-    MSG_NOSIGNAL,
-    Conn,
-    Outbox,
-    pack,
-)
+from omniflow.transport._udswire import MSG_NOSIGNAL, Conn, Outbox, pack
 
 __all__ = ["UdsDealer"]
 

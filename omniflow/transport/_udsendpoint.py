@@ -14,24 +14,10 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Final
 
-from omniflow.transport._base import (
-    MAX_DELIVERY,
-    Endpoint,
-    EndpointState,
-    Inbox,
-    Packet,
-    Receiver,
-)
+from omniflow.transport._base import MAX_DELIVERY, Endpoint, EndpointState, Inbox, Packet, Receiver
 from omniflow.transport._codec import Buffer
 from omniflow.transport._udshandshake import Handshake
-from omniflow.transport._udswire import (
-    _ONE,
-    MAX_FRAME_BYTES,
-    MSG_NOSIGNAL,
-    Conn,
-    Outbox,
-    pack,
-)
+from omniflow.transport._udswire import _ONE, MAX_FRAME_BYTES, MSG_NOSIGNAL, Conn, Outbox, pack
 
 __all__ = ["MAX_IDENTITY", "SOCK_FLAGS", "UdsEndpoint"]
 

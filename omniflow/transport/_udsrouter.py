@@ -13,18 +13,11 @@ import socket as _socket
 from collections.abc import Sequence
 
 from omniflow._exceptions import TransportError
-from omniflow.transport._base import (
-    EndpointState,
-    Packet,
-)
+from omniflow.transport._base import EndpointState, Packet
 from omniflow.transport._codec import Buffer
 from omniflow.transport._udsendpoint import MAX_IDENTITY, UdsEndpoint
 from omniflow.transport._udshandshake import HANDSHAKE, Handshake, peer_uid
-from omniflow.transport._udswire import (
-    EOF,
-    Conn,
-    Outbox,
-)
+from omniflow.transport._udswire import EOF, Conn, Outbox
 
 __all__ = ["UdsRouter"]
 
