@@ -63,15 +63,15 @@ def _wrap(owner, name, tag, leave):
 
 def install():
     from omniflow.runtime import _call, _remote, _runtime, _worker
-    from omniflow.transport import _uds, _udswire
+    from omniflow.transport import _udsendpoint, _udswire
 
     for owner, name, tag, leave in (
         (_runtime.Runtime, "_submit", "submit", False),
         (_remote.RemoteRoles, "submit", "run bound or sent", False),
         (_remote.RemoteRoles, "_on_message", "message", True),
         (_call.Call, "_finish", "finish", False),
-        (_uds._UdsEndpoint, "_on_readable", "readable", True),
-        (_uds._UdsEndpoint, "try_send", "send", True),
+        (_udsendpoint.UdsEndpoint, "_on_readable", "readable", True),
+        (_udsendpoint.UdsEndpoint, "try_send", "send", True),
         (_udswire.Conn, "read", "read", True),
         (_worker.Worker, "_take", "take", False),
         (_worker, "decode_msg", "decode", True),

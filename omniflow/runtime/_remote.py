@@ -20,9 +20,9 @@ The fast path (``_forward``): a run may carry routes (``_remote_routes``) by whi
 starts the next node's runs on their worker itself. When the frame that caused such a run
 arrives, the call core makes the activation it always makes, and ``submit`` *binds* it to the
 forwarded run instead of sending one; what the forwarded run reported before that first waits
-at the fleet for the end of the loop turn (``_on_message``, ``Fleet._later``), and if still
-unbound then, waits in ``FastPath.early`` (``_remote_fast``) and is replayed then. A
-forwarded run the core did not make is an orphan: cancelled, and what it sends dropped.
+at the fleet for the end of the loop turn (``_on_message``, ``_fleet_intake.Intake._later``),
+and if still unbound then, waits in ``FastPath.early`` (``_remote_fast``) and is replayed
+then. A forwarded run the core did not make is an orphan: cancelled, and what it sends dropped.
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ class RemoteRoles(Replies):
         rep.held.add(key)
         self._fast.forwarded += 1
         self._fast.bound.append(key)
-        self.fleet.known = True  # (what waits for it need not wait for the next loop turn)
+        self.fleet.intake.known = True  # (what waits for it need not wait for the next loop turn)
         if self.traced:
             core.placed(act, rep.replica_id)  # type: ignore[attr-defined]
         return True
@@ -406,7 +406,7 @@ class RemoteRoles(Replies):
             # A run started by a caller goes out at once (no writer wake-up on the way: the
             # hop's latency); runs made while a batch of replies is handled are queued, so
             # the writer sends them back to back and the workers receive them in batches.
-            if not self.fleet.in_batch and rep.out.empty() and rep.endpoint is not None:
+            if not self.fleet.intake.in_batch and rep.out.empty() and rep.endpoint is not None:
                 assert rep.sealer is not None
                 try:
                     # A refused try used a counter the writer skips: gaps are allowed.

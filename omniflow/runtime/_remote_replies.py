@@ -57,8 +57,8 @@ class Replies:
 
         ``may_wait``: a message (or the rest of a ``Dones``) about a forwarded run the front
         has not bound yet, whose binding frame may still come this loop turn, is handed back
-        instead, for the fleet to deliver at the end of the turn (``Fleet._later``): then it
-        needs no keeping and replaying (``FastPath.stray``)."""
+        instead, for the fleet to deliver at the end of the turn (``_fleet_intake.Intake._later``):
+        then it needs no keeping and replaying (``FastPath.stray``)."""
         self._kick()
         # By exact type, the commonest first (a decoded message is never a subclass).
         if type(msg) is Dones:

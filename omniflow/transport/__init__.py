@@ -11,8 +11,9 @@
 {'op': 'ping'}
 
 ``_codec`` (msgpack envelope, zero-copy buffers) → ``_base`` (Endpoint, scheme registry) →
-``_inproc`` / ``_zmq`` / ``_uds`` + ``_udswire`` (the transports; ``_fastpath`` picks ``uds://`` or ``ipc://``
-for same-node endpoints) → ``_loop`` (messages and the receive loop).
+``_inproc`` / ``_zmq`` / ``_uds`` (the transports; ``uds://`` over ``_udsendpoint``,
+``_udsrouter``, ``_udsdealer``, ``_udshandshake`` and ``_udswire``; ``_fastpath`` picks ``uds://``
+or ``ipc://`` for same-node endpoints) → ``_loop`` (messages and the receive loop).
 This layer imports nothing above it (no runtime, no registry).
 """
 

@@ -1,5 +1,5 @@
 """What a replica sent about runs the front has not bound yet waits for the end of the loop
-turn (``Fleet._later``), behind the other connections read in it, instead of being kept and
+turn (``Intake._later``), behind the other connections read in it, instead of being kept and
 replayed by the front (``RemoteRoles._stray``): in order per connection, nothing lost, each
 handled once, and at most ``LATE_TURNS`` turns in a row."""
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omniflow.runtime import _fleet
+from omniflow.runtime import _fleet_intake
 from omniflow.runtime._fleet import Fleet, Replica
 from omniflow.runtime._remote import RemoteRoles
 from omniflow.transport import EndpointState
@@ -55,7 +55,7 @@ async def _run(
     message was not handled yet (as the front does); what was handled, in order, the turn
     each message was delivered in, and each handled message's "early" flag count.
 
-    With ``ticks``, a message of "r0" that is handled says so (``Fleet.known``, as the front's
+    With ``ticks``, a message of "r0" that is handled says so (``Intake.known``, as the front's
     binding of a forwarded run does), and ``ticks`` gets the loop turn (counted from the
     start) each message was delivered in ("+name") and handled in ("name")."""
     handled: list[str] = []
@@ -76,7 +76,7 @@ async def _run(
         if ticks is not None:
             ticks[msg.a] = tick[0]
             if msg.a.startswith("r0."):
-                fleet.known = True
+                fleet.intake.known = True
         return None
 
     fleet = Fleet([], on_message=on_message, on_lost=lambda rep, why: None, cluster_key=KEY)
@@ -101,7 +101,7 @@ async def _run(
                     ticks["+" + m.a] = tick[0]
             envelopes = [encode_msg(m) for m in msgs]
             packets = batch(envelopes) if batched else envelopes
-            fleet._receive(reps[r], [(None, sealers[r].seal(p)) for p in packets])
+            fleet.intake.receive(reps[r], [(None, sealers[r].seal(p)) for p in packets])
         loop.call_soon(turn, t + 1)
 
     def count() -> None:  # once per loop turn
@@ -113,7 +113,7 @@ async def _run(
         loop.call_soon(count)
         loop.call_soon(turn, 0)
         await done
-        for _ in range(_fleet.LATE_TURNS + 2):  # what still waits is handled by then
+        for _ in range(_fleet_intake.LATE_TURNS + 2):  # what still waits is handled by then
             if all(rep.late is None for rep in reps):
                 break
             await asyncio.sleep(0)
@@ -166,12 +166,12 @@ def test_what_waits_keeps_each_connections_order_and_comes_after_what_binds_it(
 def test_what_waits_for_a_run_is_handled_in_the_loop_turn_the_run_becomes_known(
     turns: list[list[tuple[int, int, bool]]], data: st.DataObject
 ) -> None:
-    """When the front learns of runs (``Fleet.known``), what waits is tried again at once:
+    """When the front learns of runs (``Intake.known``), what waits is tried again at once:
     a message is handled in the loop turn it could first be (it arrived, its binding message
     was handled, and the message its connection sent before it was), not a turn later."""
     total, deps = _totals_and_deps(turns, data)
     ticks: dict[str, int] = {}
-    with _late_turns(_fleet.LATE_TURNS):
+    with _late_turns(_fleet_intake.LATE_TURNS):
         _handled, _delivered, early = asyncio.run(_run(turns, deps, ticks))
     for r in range(3):
         for i in range(total[r]):
@@ -189,12 +189,12 @@ def test_what_waits_for_a_run_is_handled_in_the_loop_turn_the_run_becomes_known(
 
 @contextlib.contextmanager
 def _late_turns(n: int) -> Iterator[None]:
-    was = _fleet.LATE_TURNS
-    _fleet.LATE_TURNS = n
+    was = _fleet_intake.LATE_TURNS
+    _fleet_intake.LATE_TURNS = n
     try:
         yield
     finally:
-        _fleet.LATE_TURNS = was
+        _fleet_intake.LATE_TURNS = was
 
 
 def test_a_message_whose_binding_never_comes_waits_a_bounded_number_of_turns(
@@ -202,7 +202,7 @@ def test_a_message_whose_binding_never_comes_waits_a_bounded_number_of_turns(
 ) -> None:
     """Nothing binds r1.0: it waits LATE_TURNS turns in a row, then is handled (early), and
     what r1 sent after it comes after it."""
-    monkeypatch.setattr(_fleet, "LATE_TURNS", 3)
+    monkeypatch.setattr(_fleet_intake, "LATE_TURNS", 3)
     handled, _at, early = asyncio.run(_run([[(1, 2, True)]], [[], [5, None], []]))
     assert handled == ["r1.0", "r1.1"]
     assert early == {"r1.0": 1}

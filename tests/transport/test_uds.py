@@ -33,7 +33,8 @@ from omniflow.transport import (
     run_loop,
 )
 from omniflow.transport._base import MAX_DELIVERY, Packet
-from omniflow.transport._udswire import HANDSHAKE, MAX_FRAME_BYTES, MAX_FRAMES
+from omniflow.transport._udshandshake import HANDSHAKE
+from omniflow.transport._udswire import MAX_FRAME_BYTES, MAX_FRAMES
 
 
 @pytest.fixture

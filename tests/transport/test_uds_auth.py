@@ -1,5 +1,6 @@
 """uds:// endpoints opened with the cluster key: each connection proves the key once, both ways,
-before a message crosses (``_udswire.Handshake``); then its messages need no per-message seal.
+before a message crosses (``_udshandshake.Handshake``); then its messages need no per-message
+seal.
 What must hold: key holders talk (queued messages included, in order, over reconnects);
 anything else is dropped at the handshake, and nothing it sent is ever delivered."""
 
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omniflow.transport import bind, connect
-from omniflow.transport._udswire import (
+from omniflow.transport._udshandshake import (
     AUTH_CHALLENGE,
     AUTH_HELLO,
     AUTH_PROOF,
