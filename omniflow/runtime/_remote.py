@@ -54,8 +54,9 @@ from omniflow.registry._lb import (
     no_live_replica,
 )
 from omniflow.runtime._fleet import Fleet, Replica
-from omniflow.runtime._launch import EDGES_KEY, Launcher, SubprocessLauncher
+from omniflow.runtime._launch import Launcher, SubprocessLauncher
 from omniflow.runtime._placement import ProcessSpec
+from omniflow.runtime._remote_edges import count_run, totals
 from omniflow.runtime._remote_ends import CallEnds
 from omniflow.runtime._remote_fast import FastPath
 from omniflow.runtime._remote_meta import WorkerQueries
@@ -289,7 +290,8 @@ class RemoteRoles(Replies):
             )
             return
         if self.edge_bytes is not None:
-            self._count_run(call.graph, core, act.node, kwargs, frames, len(targets or ()) or 1)
+            count_run(self.edge_bytes, call.graph, core, act.node, kwargs, frames,
+                      len(targets or ()) or 1)  # fmt: skip
         if not targets:  # the session's first run from here: settle its pin first
             assert call.session is not None
             self._defer(call.session, role, key, frames)
@@ -306,31 +308,8 @@ class RemoteRoles(Replies):
 
     def edge_byte_totals(self) -> dict[tuple[str, str, str, str], int]:
         """Bytes per edge: the runs this front sent plus what each live worker's last
-        heartbeat said it forwarded (a worker lost takes its counts along)."""
-        out = dict(self.edge_bytes or {})
-        for rep in self.fleet.replicas.values():
-            rows = rep.batches.get(EDGES_KEY) if rep.batches else None
-            for row in rows or ():
-                if type(row) is list and len(row) == 5 and type(row[4]) is int:
-                    key = (str(row[0]), str(row[1]), str(row[2]), str(row[3]))
-                    out[key] = out.get(key, 0) + row[4]
-        return out
-
-    def _count_run(
-        self, graph: str, core: CallCore, node: str, kwargs: dict[str, Any], frames: Any, n: int
-    ) -> None:
-        """Count the encoded bytes of a run sent to ``n`` replicas on the edges into ``node``
-        (a run of several inputs: shared evenly among them)."""
-        eb = self.edge_bytes
-        assert eb is not None
-        size = n * sum(len(memoryview(b).cast("B")) for b in frames)
-        producers = core.c.plan.producers
-        share, extra = divmod(size, len(kwargs) or 1)
-        for f in kwargs:
-            srcs = producers.get(f, ())
-            key = (graph, "|".join(srcs) if srcs else "<input>", f, node)
-            eb[key] = eb.get(key, 0) + share + extra
-            extra = 0
+        heartbeat said it forwarded (``_remote_edges.totals``)."""
+        return totals(self.edge_bytes, self.fleet.replicas.values())
 
     def _bind(
         self,
