@@ -25,10 +25,16 @@ from omniflow.runtime._batcher import BatchEntry, Batcher, EntryState
 from omniflow.runtime._batching import BatchQueue
 
 from . import batch_graphs as bg
-from .random_graph_module import N_CALLS, SESSION_FROM, Model, World, build
-from .test_placement import ZERO, eventually
-from .test_placement import build as build_rt
-from .test_random_graphs import HANG_S, check_calls, models, parsed, run_calls
+from .random_graph_module import Model, World, build
+from .test_placement import eventually, placement, runtime  # noqa: F401 (fixtures)
+from .test_random_graphs import (
+    HANG_S,
+    check_calls,
+    check_session_fifo,
+    models,
+    parsed,
+    run_calls,
+)
 
 # ------------------------------------------------------------------ the pure queue
 
@@ -293,28 +299,9 @@ def test_batch_contexts_outside_a_batch_is_the_activation() -> None:
 # ------------------------------------------------------------------ in every placement
 
 
-@pytest.fixture(params=["inproc", "process", "ray"])
-def placement(request: pytest.FixtureRequest) -> str:
-    if request.param == "ray":
-        request.getfixturevalue("ray_local")
-    return str(request.param)
-
-
 @pytest.fixture
-async def rt_of(placement: str) -> AsyncIterator[Any]:
-    opened: list[of.Runtime] = []
-
-    async def make(*graphs: of.Graph, **kw: Any) -> of.Runtime:
-        rt = build_rt(placement, *graphs, **kw)
-        await rt.start()
-        opened.append(rt)
-        return rt
-
-    yield make
-    for rt in opened:
-        stats = rt.stats()
-        await rt.close()
-        assert stats == ZERO, f"runtime left work behind: {stats}"
+def rt_of(runtime: Any) -> Any:  # noqa: F811 (test_placement.py's: every placement, leftovers checked)
+    return runtime
 
 
 async def test_lists_in_and_out_and_errors_per_activation(rt_of: Any) -> None:
@@ -490,8 +477,4 @@ def test_batched_graphs_give_the_unbatched_frames(model: Model, seed: int) -> No
     results = asyncio.run(asyncio.wait_for(run_calls(world, graph), HANG_S))
     assert not world.violations, world.violations
     check_calls(world, plan, results)
-    tags = [tag for _ev, tag in world.events]
-    for i in range(SESSION_FROM, N_CALLS - 1):
-        end = max((k for k, t in enumerate(tags) if t == f"c{i}"), default=-1)
-        nxt = min((k for k, t in enumerate(tags) if t == f"c{i + 1}"), default=len(tags))
-        assert end < nxt, f"calls c{i} and c{i + 1} of one session overlapped"
+    check_session_fifo(world)

@@ -413,7 +413,11 @@ def test_random_graph_matches_reference(model: Model, seed: int) -> None:
     results = asyncio.run(asyncio.wait_for(run_calls(world, graph), HANG_S))
     assert not world.violations, world.violations
     check_calls(world, plan, results)
-    # FIFO within a session: each call of the session starts after the one before finished.
+    check_session_fifo(world)
+
+
+def check_session_fifo(world: World) -> None:
+    """FIFO within a session: each call of the session starts after the one before finished."""
     tags = [tag for _ev, tag in world.events]
     for i in range(SESSION_FROM, N_CALLS - 1):
         end = max((k for k, t in enumerate(tags) if t == f"c{i}"), default=-1)
