@@ -1553,3 +1553,41 @@ def test_validate_names_a_broken_session_group_order() -> None:
         core.validate()
     core.orders.seq_buckets[key] = buckets
     core.validate()
+
+
+# As ORDERED, but group 0 gathers three fields: a frame that arrives at (and an end that
+# leaves) its bucket still open while group 1 is held schedules the held node to be looked at
+# again (it may be down to a loop's work), and the wait goes on.
+TRIPLE = _plan(
+    "triple",
+    ["o"],
+    g=_role([["request"]], ["a"], gen=True),
+    a=_role([["a"]], ["x"]),
+    b=_role([["a"]], ["y"]),
+    d=_role([["a"]], ["w"]),
+    e=_role([["a"]], ["w"]),
+    c=_role([["a"]], ["z"]),
+    n=_role([["x", "y", "w"], ["z"]], ["o"], lb="session"),
+)
+
+
+def test_a_held_group_waits_on_while_the_earlier_bucket_still_gathers() -> None:
+    """w has two producers (d, e). While group 1 is held, y arrives and d ends without w: the
+    bucket still gathers (e may still give w), so group 1 waits on; e's w fires group 0."""
+    core, sh, g = _started(TRIPLE, "c47")
+    (a,), (b,), (c,) = sh.of("a.run"), sh.of("b.run"), sh.of("c.run")
+    (d,), (e,) = sh.of("d.run"), sh.of("e.run")
+    sh(Returned(a, {"x": "x0"}))
+    assert sh(Returned(c, {"z": "z0"})).run == () and core._held == {"n.run"}
+    assert sh(Returned(b, {"y": "y0"})).run == () and core._held == {"n.run"}
+    assert sh(Returned(d, None)).run == () and core._held == {"n.run"}
+    core.validate()
+    (n0,) = sh(Returned(e, {"w": "w0"})).run
+    assert (n0.group, n0.kwargs) == (0, {"x": "x0", "y": "y0", "w": "w0"})
+    (n1,) = sh(Returned(n0, None)).run
+    assert (n1.group, n1.kwargs) == (1, {"z": "z0"})
+    sh(Returned(n1, None))
+    sh(Ended(g))
+    sh.drain()
+    assert _session_story(core) == [(0, n0.aid, "order"), (1, n1.aid, "order")]
+    assert core.status == "ok" and not core.warnings

@@ -44,10 +44,10 @@ async def _totals(rt: of.Runtime, size: int, n: int) -> dict[tuple[str, str, str
     before = rt.edge_bytes()
     for _ in range(n):
         assert (await rt.run("edges", {"x": b"v" * size})) == {"out": [size]}
-    forwarded = ("edges", "a.a", "y", "b.b")
-    for _ in range(100):  # the workers' counts come with their next heartbeat
+    forwarded = (("edges", "a.a", "y", "b.b"), ("edges", "b.b", "z", "c.c"))
+    for _ in range(600):  # each worker's counts come with its next heartbeat (a hang guard)
         after = rt.edge_bytes()
-        if after.get(forwarded, 0) > before.get(forwarded, 0):
+        if all(after.get(f, 0) > before.get(f, 0) for f in forwarded):
             break
         await asyncio.sleep(0.05)
     return {k: v - before.get(k, 0) for k, v in after.items()}
