@@ -321,8 +321,8 @@ AREAS = (
     ("other pyzmq", "/zmq/"),
     ("omniflow codec", "omniflow/transport/_codec.py"),
     ("omniflow transport endpoints", "omniflow/transport/"),
-    ("omniflow remote (front side)", "omniflow/runtime/_remote"),
-    ("omniflow call core", "omniflow/runtime/_core.py"),
+    ("omniflow remote (front side)", "omniflow/cluster/_remote"),
+    ("omniflow call core", "omniflow/runtime/callcore/_core.py"),
     ("omniflow runtime shell + call", "omniflow/runtime/"),
     ("asyncio event loop", "/asyncio/"),
 )
@@ -362,7 +362,7 @@ async def bench_chain(
     actors: list[Any] = []
     ray = None
     if with_ray:
-        from omniflow.runtime._ray import init_ray
+        from omniflow.cluster._ray import init_ray
 
         ray = init_ray(None, num_cpus=8, include_dashboard=False, log_to_driver=False)
         actors = [ray.remote(PlainStage).options(num_cpus=1).remote() for _ in range(3)]
@@ -628,10 +628,10 @@ def parse_args() -> argparse.Namespace:
 async def main(args: argparse.Namespace) -> None:
     graphs = load()
     if args.workers == "spawn":
-        from omniflow.runtime import _launch
+        from omniflow.cluster import _launch
 
         _launch.forking_supported = lambda: False  # type: ignore[assignment]
-    from omniflow.runtime._launch import forking_supported
+    from omniflow.cluster._launch import forking_supported
 
     rounds, per_round = (5, 200) if args.quick else (10, 400)
     repeats = 2 if args.quick else 3

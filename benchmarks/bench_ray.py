@@ -185,7 +185,7 @@ async def main() -> None:
     ap.add_argument("--idle", type=float, default=5.0, help="idle window for CPU cost (s)")
     args = ap.parse_args()
     n, rounds, losses = (100, 5, 3) if args.quick else (200, 10, 5)
-    from omniflow.runtime._ray import init_ray
+    from omniflow.cluster._ray import init_ray
 
     ray = init_ray(None, num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:

@@ -62,7 +62,8 @@ def _wrap(owner, name, tag, leave):
 
 
 def install():
-    from omniflow.runtime import _call, _remote, _runtime, _worker
+    from omniflow.cluster import _remote, _worker
+    from omniflow.runtime import _call, _runtime
     from omniflow.transport import _udsendpoint, _udswire
 
     for owner, name, tag, leave in (

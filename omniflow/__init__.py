@@ -26,6 +26,7 @@ from omniflow._exceptions import (
 )
 from omniflow._loader import load_graphs, parse
 from omniflow._media import Audio, Image
+from omniflow.cluster import Deploy, Ray
 from omniflow.data.kv import Match, PageLayout, ParamsPool, chain_hashes
 from omniflow.dsl import (
     ALL,
@@ -42,7 +43,7 @@ from omniflow.dsl import (
     interface,
 )
 from omniflow.plan import StaticPlan, parse_graphs
-from omniflow.runtime import Call, Deploy, Frame, Ray, Runtime
+from omniflow.runtime import Call, Frame, Runtime
 
 __version__ = "0.1.0"
 

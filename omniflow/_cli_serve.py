@@ -289,10 +289,10 @@ def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
 def placement_from_args(args: argparse.Namespace) -> Any:
     """The Runtime's ``placement`` for ``--placement`` (with ``--deploy``, ``--ray-address``)."""
     from omniflow._exceptions import OmniflowError
-    from omniflow.runtime import Deploy, Ray
+    from omniflow.cluster import Deploy, Ray
 
     if args.placement == "ray":
-        from omniflow.runtime._ray_plan import load_deploy
+        from omniflow.cluster._ray_plan import load_deploy
 
         deploy = load_deploy(args.deploy) if args.deploy is not None else {}
         return Ray(deploy, address=args.ray_address)

@@ -65,7 +65,7 @@ def register(subparsers: Subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from omniflow._exceptions import OmniflowError
-    from omniflow.runtime._worker import Worker, run_worker
+    from omniflow.cluster._worker import Worker, run_worker
     from omniflow.transport._auth import load_key_file, resolve_key
 
     if args.bind is None and args.registry is None:
@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def fork_server() -> int:
-    """The program of a launcher's fork server (``runtime/_forkserver.py``, started as ``python
+    """The program of a launcher's fork server (``cluster/_forkserver.py``, started as ``python
     -c ENTRY FD``): import what every worker runs (this command line, the worker's runtime,
     transport and codec, uvloop where installed), then fork workers on the connection at fd
     FD; each child runs its ``omniflow`` command line as ``python -m omniflow`` would."""
@@ -105,7 +105,7 @@ def fork_server() -> int:
 
     import omniflow
     from omniflow.cli import main
-    from omniflow.runtime import _forkserver, _worker  # noqa: F401  (shared with the children)
+    from omniflow.cluster import _forkserver, _worker  # noqa: F401  (shared with the children)
 
     with contextlib.suppress(ImportError):
         importlib.import_module("uvloop")

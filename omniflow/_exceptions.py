@@ -18,8 +18,8 @@
     │   ├── ModelLoadError      a checkpoint cannot be loaded as written (a tensor, a field)
     │   ├── RequestError        a GenerateRequest the engine cannot honour
     │   └── EngineProcessError  an engine's own process failed
-    ├── ForkServerError     the fork server refused or lost a worker (runtime/_forkserver.py)
-    ├── ReplicaStateError   a replica moved between states it cannot (runtime/_replica.py)
+    ├── ForkServerError     the fork server refused or lost a worker (cluster/_forkserver.py)
+    ├── ReplicaStateError   a replica moved between states it cannot (cluster/_replica.py)
     ├── ValueEncodingError  a value cannot be written as JSON for the HTTP edge (serve/_codec.py)
     ├── ValueDecodingError  a JSON value of a request cannot be read back (serve/_codec.py)
     └── _Unsendable         a worker's frame cannot be sent; it fails the activation (_worker_held)

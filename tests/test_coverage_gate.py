@@ -59,7 +59,7 @@ def test_the_repository_gates() -> None:
         "_core.py",
         "_callstate.py",
         "_latches.py",
-        "_session.py",
+        "_orders.py",
         "_gather.py",
         "_settle.py",
         "_validate.py",
@@ -96,15 +96,15 @@ def test_a_package_below_its_minimum_fails() -> None:
 
 
 def test_a_disabled_gate_is_reported_not_enforced(capsys: pytest.CaptureFixture[str]) -> None:
-    gs = gates(("core", ["omniflow/runtime/_core.py"], 100, False))
-    assert gate_mod.check(gs, {"omniflow/runtime/_core.py": summary(10, 5)})
+    gs = gates(("core", ["omniflow/runtime/callcore/_core.py"], 100, False))
+    assert gate_mod.check(gs, {"omniflow/runtime/callcore/_core.py": summary(10, 5)})
     assert "off (FAIL)" in capsys.readouterr().out
 
 
 def test_a_gate_matching_no_file_fails() -> None:
     # A renamed module must not silently empty a gate.
     gs = gates(("core", ["omniflow/runtime/_gone.py"], 100, True))
-    assert not gate_mod.check(gs, {"omniflow/runtime/_core.py": summary(10, 10)})
+    assert not gate_mod.check(gs, {"omniflow/runtime/callcore/_core.py": summary(10, 10)})
 
 
 def test_a_gate_without_a_minimum_is_a_config_error(tmp_path: Path) -> None:

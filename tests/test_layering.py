@@ -30,6 +30,7 @@ BELOW_SERVE = frozenset(
         "plan",
         "_loader",
         "runtime",
+        "cluster",
         "transport",
         "registry",
         "data",
@@ -52,7 +53,13 @@ LAYERS: dict[str, frozenset[str]] = {
     "dsl": frozenset({"data.kv"}),
     "plan": frozenset({"dsl"}),  # compiles Graphs; loads no files
     "_loader": frozenset({"dsl", "plan"}),  # graph files and modules -> Graphs -> plans
+    # The runtime schedules calls and runs the roles it hosts; it never imports the cluster,
+    # which registers itself with the runtime (runtime._executor).
     "runtime": frozenset({"dsl", "plan", "_loader", "transport", "registry", "data", "data.kv"}),
+    # Roles placed off the front: router, fleet, workers, fast path, launchers, Ray.
+    "cluster": frozenset(
+        {"runtime", "dsl", "plan", "_loader", "transport", "registry", "data", "data.kv"}
+    ),
     "compute": frozenset({"dsl", "data", "data.kv"}),  # model code inside roles
     "roles": frozenset({"dsl"}),  # roles on pretrained models (ASR, OCR, TTS)
     "serve": BELOW_SERVE,

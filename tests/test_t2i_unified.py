@@ -65,7 +65,7 @@ def _readme_deploy(tmp_path: Any) -> dict[str, dict[str, Any]]:
     """The README's deploy file for this graph, as a user would save it."""
     from pathlib import Path
 
-    from omniflow.runtime._ray_plan import load_deploy
+    from omniflow.cluster._ray_plan import load_deploy
 
     text = Path("README.md").read_text()
     block = text.split("```yaml\n# deploy.yaml", 1)[1].split("```", 1)[0]

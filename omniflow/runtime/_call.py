@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from omniflow._exceptions import NodeError
 
 if TYPE_CHECKING:
-    from omniflow.runtime._core import Activation, CallCore
     from omniflow.runtime._params import SessionParams
+    from omniflow.runtime.callcore._core import Activation, CallCore
 
 __all__ = ["Call", "Frame"]
 

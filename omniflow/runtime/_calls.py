@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import NodeError
 from omniflow.runtime._call import Call
-from omniflow.runtime._compiled import Compiled
-from omniflow.runtime._core import CallCore
 from omniflow.runtime._observe import ObservedCore
 from omniflow.runtime._sessions import Sessions
 from omniflow.runtime._shell import Shell
-from omniflow.runtime._stimuli import Cancel, CancelKind, Start
+from omniflow.runtime.callcore._compiled import Compiled
+from omniflow.runtime.callcore._core import CallCore
+from omniflow.runtime.callcore._stimuli import Cancel, CancelKind, Start
 
 if TYPE_CHECKING:
     from omniflow.runtime._tracing import Tracing

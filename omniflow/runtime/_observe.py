@@ -33,17 +33,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from omniflow._media import Audio
-from omniflow.runtime._core import Activation, CallCore
 from omniflow.runtime._metrics import Histogram, NodeMetrics, RuntimeMetrics
-from omniflow.runtime._stimuli import Ended, Instructions, Produced, Returned, Stimulus
+from omniflow.runtime.callcore._core import Activation, CallCore
+from omniflow.runtime.callcore._stimuli import Ended, Instructions, Produced, Returned, Stimulus
 
 if TYPE_CHECKING:
     import random
     from collections import deque
 
     from omniflow.plan import NodeSpec
-    from omniflow.runtime._compiled import Compiled
     from omniflow.runtime._tracing import Tracing
+    from omniflow.runtime.callcore._compiled import Compiled
 
 __all__ = ["ObservedCore"]
 

@@ -41,17 +41,14 @@ from omniflow.plan._plan import StaticPlan
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._call import Call
 from omniflow.runtime._calls import Calls
-from omniflow.runtime._compiled import Compiled, compile_plan
-from omniflow.runtime._launch import Launcher
+from omniflow.runtime._executor import Remote, cluster
 from omniflow.runtime._metrics import RuntimeMetrics
-from omniflow.runtime._placement import plan_processes, resolve_connectors
-from omniflow.runtime._ray_plan import Ray
-from omniflow.runtime._remote import RemoteRoles
 from omniflow.runtime._sessions import Sessions
 from omniflow.runtime._setup import setup_role
 from omniflow.runtime._shell import Shell
 from omniflow.runtime._stats import RuntimeStatistics
-from omniflow.runtime._stimuli import render_story
+from omniflow.runtime.callcore._compiled import Compiled, compile_plan
+from omniflow.runtime.callcore._stimuli import render_story
 from omniflow.transport._auth import resolve_key
 
 if TYPE_CHECKING:
@@ -132,16 +129,15 @@ class Runtime(RuntimeStatistics):
                             "to use this placement"
                         )
                     role_modules[rname] = g.module
-        processes = plan_processes(placement, role_modules)
-        if registry is not None and not processes:
+        placed = cluster().place(placement, role_modules, self.plans, connectors)
+        remote_roles = placed.remote_roles
+        if registry is not None and not remote_roles:
             raise OmniflowError(
                 "registry=... needs a multi-process placement (placement='process' or Deploy)"
             )
-        remote_roles = frozenset(r for p in processes for r in p.roles)
-        edge_conns = resolve_connectors(self.plans, connectors, remote_roles, processes)
-        key = resolve_key(cluster_key)[0] if processes or cluster_key is not None else None
+        key = resolve_key(cluster_key)[0] if remote_roles or cluster_key is not None else None
         #: This process's data plane (None when every role runs here: objects pass as is).
-        self.plane: DataPlane | None = DataPlane(threshold=data_threshold) if processes else None
+        self.plane: DataPlane | None = DataPlane(threshold=data_threshold) if remote_roles else None
         #: Counters for /metrics (None while metrics are off).
         self.metrics: RuntimeMetrics | None = RuntimeMetrics() if metrics else None
         #: Runs the calls: hands their cores stimuli and carries out the answers (``_shell``).
@@ -155,22 +151,19 @@ class Runtime(RuntimeStatistics):
             if s.role in remote_roles and set(s.outputs) - set(p.outputs)
         }
         #: Worker processes and their replicas (None for in-process placement).
-        self.remote: RemoteRoles | None = (
-            RemoteRoles(
-                processes,
+        self.remote: Remote | None = (
+            placed.remote(
                 registry=registry,
                 on_frame=shell.remote_frame,
                 on_done=shell.ended,
                 on_return=shell.remote_return,
                 plane=self.plane,
                 offload=offload,
-                connectors=edge_conns,
                 heartbeat_interval=heartbeat_interval,
                 cluster_key=key,
                 heartbeat_misses=heartbeat_misses,
-                launcher=_launcher(placement, role_modules, self.plane),
             )
-            if processes
+            if remote_roles
             else None
         )
         remote_nodes = frozenset(
@@ -296,12 +289,8 @@ class Runtime(RuntimeStatistics):
     def _front_colocation(self) -> Any:
         """The co-location facts of the roles this front hosts next to its workers (they fill
         slot 0 of the deployment on this node)."""
-        from omniflow.dsl._context import Colocation
-        from omniflow.runtime._launch import colocation_group
-
         assert self.remote is not None
-        local = frozenset(self._role_names[id(r)] for r in self._roles)
-        return Colocation(local, colocation_group(self.remote.fleet.token, "slot0"))
+        return self.remote.colocation(frozenset(self._role_names[id(r)] for r in self._roles))
 
     async def start(self) -> None:
         if self.state is not RuntimeState.NEW:
@@ -486,14 +475,3 @@ class Runtime(RuntimeStatistics):
     def _cancel_call(self, call: Call) -> None:
         """Cancel a call (``Call.cancel``); one still queued behind its session never starts."""
         self._table.cancel(call)
-
-
-def _launcher(
-    placement: Any, role_modules: dict[str, str | None], plane: DataPlane | None
-) -> Launcher | None:
-    """What starts the replicas (``_launch``): None (subprocesses) unless Ray places them."""
-    if not isinstance(placement, Ray):
-        return None
-    from omniflow.runtime._ray import RayLauncher
-
-    return RayLauncher(placement, placement.plan(role_modules), plane=plane)

@@ -16,8 +16,8 @@ from typing import Any
 
 from omniflow.dsl._graph import GlobalParameters
 from omniflow.runtime._call import Call
+from omniflow.runtime._executor import Remote
 from omniflow.runtime._params import SessionParams
-from omniflow.runtime._remote import RemoteRoles
 
 __all__ = ["Sessions"]
 
@@ -43,7 +43,7 @@ class Sessions:
         #: Idle sessions -> the timer that closes them after ``ttl``.
         self.idle: dict[str, asyncio.TimerHandle] = {}
         #: Worker processes to tell when a session closes (None for in-process placement).
-        self.remote: RemoteRoles | None = None
+        self.remote: Remote | None = None
         #: The runtime's loop (set at its start).
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Whether the runtime runs (idle timers are armed only then).

@@ -22,12 +22,12 @@ from omniflow.data._plane import DataPlane, DataRef
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.runtime._batcher import BatchEntry, Batcher
 from omniflow.runtime._call import Call
-from omniflow.runtime._core import RUNNING, Activation, CallCore
 from omniflow.runtime._drive import Continue, drive, eager_task, generator_end
+from omniflow.runtime._executor import Remote
 from omniflow.runtime._metrics import RuntimeMetrics
 from omniflow.runtime._params import SessionParams
-from omniflow.runtime._remote import RemoteRoles
-from omniflow.runtime._stimuli import (
+from omniflow.runtime.callcore._core import RUNNING, Activation, CallCore
+from omniflow.runtime.callcore._stimuli import (
     NOTHING,
     SETTLE,
     Crash,
@@ -87,7 +87,7 @@ class Shell:
         #: Check every call core's invariants after each step (tests switch this on).
         self.validate = validate
         #: Worker processes and their replicas (None for in-process placement).
-        self.remote: RemoteRoles | None = None
+        self.remote: Remote | None = None
         #: Nodes whose role runs in a worker process (``remote.submit`` starts them).
         self.remote_nodes: frozenset[str] = frozenset()
         #: node -> its batcher, for the batched nodes this process runs (``batch=``).

@@ -13,9 +13,8 @@ from omniflow.data._plane import STATISTICS_KEYS, DataPlane
 from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._call import Call
-from omniflow.runtime._launch import EDGES_KEY
+from omniflow.runtime._executor import Remote
 from omniflow.runtime._metrics import RuntimeMetrics
-from omniflow.runtime._remote import RemoteRoles
 from omniflow.transport._auth import WireStats
 
 __all__ = ["RuntimeStatistics"]
@@ -26,7 +25,7 @@ class RuntimeStatistics:
 
     _calls: dict[str, Call]
     _batchers: dict[str, Batcher]
-    remote: RemoteRoles | None
+    remote: Remote | None
     plane: DataPlane | None
     _pools: dict[str, Any]
     metrics: RuntimeMetrics | None
@@ -71,13 +70,7 @@ class RuntimeStatistics:
         if mine:
             out["<front>"] = mine
         if self.remote is not None:
-            for rep in self.remote.fleet.replicas.values():
-                st = rep.batches
-                if rep.alive and st:
-                    if EDGES_KEY in st:  # (the edge bytes ride along: edge_bytes())
-                        st = {n: v for n, v in st.items() if n != EDGES_KEY}
-                    if st:
-                        out[rep.replica_id] = st
+            out.update(self.remote.replica_batch_stats())
         return out
 
     def edge_bytes(self) -> dict[tuple[str, str, str, str], int]:

@@ -33,7 +33,7 @@
 ``th`` the front's offload threshold (None: the default), ``conn`` source node -> connector.
 ``fw`` the run's fast-path routes: one ``[field, node, group, address, replica id, off, th,
 conn, q from the frame index, sub-routes]`` per downstream node the worker may start itself
-(``runtime/_forward.py``). ``tp`` the W3C ``traceparent`` of the activation's span while the
+(``cluster/_forward.py``). ``tp`` the W3C ``traceparent`` of the activation's span while the
 front traces (None: not traced, and left off the wire); a forward carries its upstream run's.
 A frame's ``x`` lists ``[route index, wire id]`` of the runs its
 worker forwarded for it (``xs``: one such list or None per frame of ``Frames``). ``a`` is the

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omniflow.runtime._fleet import Replica
-from omniflow.runtime._remote import RemoteRoles
-from omniflow.runtime._remote_pending import Pending
-from omniflow.runtime._replica import ReplicaEvent
+from omniflow.cluster._fleet import Replica
+from omniflow.cluster._remote import RemoteRoles
+from omniflow.cluster._remote_pending import Pending
+from omniflow.cluster._replica import ReplicaEvent
 from omniflow.transport._protocol import Claim, Claimed, decode_msg
 
 

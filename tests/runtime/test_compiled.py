@@ -14,7 +14,7 @@ import pytest
 
 import omniflow as of
 from omniflow.plan import parse_graphs
-from omniflow.runtime._compiled import compile_plan, once_per_call
+from omniflow.runtime.callcore._compiled import compile_plan, once_per_call
 
 from .conftest import load_graph_module
 

@@ -14,9 +14,9 @@ import pytest
 import omniflow as of
 from omniflow.data._handle import BlockHandle
 from omniflow.data._ref import DataRef
-from omniflow.runtime._compiled import compile_plan
-from omniflow.runtime._core import Activation, CallCore
-from omniflow.runtime._stimuli import (
+from omniflow.runtime.callcore._compiled import compile_plan
+from omniflow.runtime.callcore._core import Activation, CallCore
+from omniflow.runtime.callcore._stimuli import (
     SETTLE,
     ActState,
     Cancel,
@@ -266,7 +266,7 @@ def test_validate_names_liveness_counted_by_an_uncounted_call() -> None:
 
 
 def test_validate_accepts_whatever_a_crash_left() -> None:
-    from omniflow.runtime._stimuli import Crash
+    from omniflow.runtime.callcore._stimuli import Crash
 
     core, sh = _midway()
     sh(Crash(RuntimeError("bug")))
@@ -367,7 +367,7 @@ def test_settle_timeout_and_a_closing_call_refusing_frames() -> None:
     """SETTLE on a settled call changes nothing; a timeout's own error is recorded first and
     the call ends "error"; a frame of a method still running in a closing call is refused."""
     from omniflow._exceptions import NodeError
-    from omniflow.runtime._stimuli import NOTHING, CancelKind
+    from omniflow.runtime.callcore._stimuli import NOTHING, CancelKind
 
     core = CallCore(QUEUED, "c10")
     sh = _Shell(core)
@@ -383,7 +383,7 @@ def test_settle_timeout_and_a_closing_call_refusing_frames() -> None:
 
 
 def test_a_crashed_call_ignores_every_later_stimulus() -> None:
-    from omniflow.runtime._stimuli import Crash
+    from omniflow.runtime.callcore._stimuli import Crash
 
     core, sh = _midway()
     running = list(core.running)
@@ -395,7 +395,7 @@ def test_a_crashed_call_ignores_every_later_stimulus() -> None:
 
 
 def test_the_call_life_moves_only_along_its_table() -> None:
-    from omniflow.runtime._callstate import CallLife, LifeError
+    from omniflow.runtime.callcore._callstate import CallLife, LifeError
 
     core, sh = _midway()
     assert core.life is CallLife.OPEN and not core.closing and not core.finished
@@ -431,7 +431,7 @@ def test_frames_after_a_bucket_fired_are_errors_naming_the_rule() -> None:
 
 
 def test_stream_order_keeps_items_of_one_index_and_refuses_a_settled_one() -> None:
-    from omniflow.runtime._ordering import StreamOrder
+    from omniflow.runtime.callcore._ordering import StreamOrder
 
     so = StreamOrder("gen.run", 1)
     so.push(0, (1, "b"))

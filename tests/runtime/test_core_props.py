@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 )
 
 import omniflow as of
-from omniflow.runtime._buckets import (
+from omniflow.runtime.callcore._buckets import (
     WAIT,
     Bucket,
     BucketSpec,
@@ -40,10 +40,10 @@ from omniflow.runtime._buckets import (
     Wait,
     quiescent_pick,
 )
-from omniflow.runtime._compiled import Compiled, compile_plan
-from omniflow.runtime._core import Activation, CallCore
-from omniflow.runtime._ordering import StreamOrder
-from omniflow.runtime._stimuli import (
+from omniflow.runtime.callcore._compiled import Compiled, compile_plan
+from omniflow.runtime.callcore._core import Activation, CallCore
+from omniflow.runtime.callcore._ordering import StreamOrder
+from omniflow.runtime.callcore._stimuli import (
     NOTHING,
     SETTLE,
     ActState,
@@ -734,7 +734,7 @@ def test_a_rejected_frame_is_not_accepted_and_errs() -> None:
 
 
 def test_liveness_reaches_discounts_the_asker_and_validate_names_a_drift() -> None:
-    from omniflow.runtime._liveness import INPUT_ENTRY, Liveness
+    from omniflow.runtime.callcore._liveness import INPUT_ENTRY, Liveness
 
     live = Liveness()
     table = (INPUT_ENTRY,)

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from omniflow.runtime import _remote_ends
-from omniflow.runtime._fleet import Replica
-from omniflow.runtime._remote import RemoteRoles
-from omniflow.runtime._replica import ReplicaEvent
-from omniflow.runtime._worker import Worker
+from omniflow.cluster import _remote_ends
+from omniflow.cluster._fleet import Replica
+from omniflow.cluster._remote import RemoteRoles
+from omniflow.cluster._replica import ReplicaEvent
+from omniflow.cluster._worker import Worker
 from omniflow.transport._protocol import CallEnded, EndCall, Hello, decode_msg
 
 KEY = b"test-cluster-key-0123456789abcdef"

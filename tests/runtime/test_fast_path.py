@@ -1,4 +1,4 @@
-"""The cross-process fast path (runtime/_forward.py): workers start direct-fire runs of other
+"""The cross-process fast path (cluster/_forward.py): workers start direct-fire runs of other
 workers themselves, and the front binds them to the activations its call core makes.
 
 What must hold: the same answers, SeqIds and OR groups as in-process and as with the fast path
@@ -19,8 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import omniflow as of
-from omniflow.runtime._compiled import compile_plan
-from omniflow.runtime._forward import (
+from omniflow.cluster._forward import (
     Hop,
     Route,
     Waiting,
@@ -29,6 +28,7 @@ from omniflow.runtime._forward import (
     parse_routes,
     wire_id,
 )
+from omniflow.runtime.callcore._compiled import compile_plan
 from omniflow.transport import FAST_PATH_ENV
 
 from . import fast_graphs as fg

@@ -1,4 +1,4 @@
-"""Workers forked by a fork server (``runtime/_forkserver.py``, the launcher's default with the
+"""Workers forked by a fork server (``cluster/_forkserver.py``, the launcher's default with the
 fast path on): a forked worker sees what a spawned one sees; the front supervises it as its own
 (exit codes, kill by pidfd); a fork server that cannot start or is lost costs no work; the
 front's side of the control connection keeps replies, exits and losses apart in any order.
@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import omniflow as of
-from omniflow.runtime import _forkserver
-from omniflow.runtime._forkserver import ForkServer, ForkServerError
-from omniflow.runtime._launch import ForkedHandle, SubprocessHandle, SubprocessLauncher
+from omniflow.cluster import _forkserver
+from omniflow.cluster._forkserver import ForkServer, ForkServerError
+from omniflow.cluster._launch import ForkedHandle, SubprocessHandle, SubprocessLauncher
 
 from . import fork_graphs as fg
 from .test_multiprocess import alive

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omniflow.runtime import _fleet_intake
-from omniflow.runtime._fleet import Fleet, Replica
-from omniflow.runtime._remote import RemoteRoles
+from omniflow.cluster import _fleet_intake
+from omniflow.cluster._fleet import Fleet, Replica
+from omniflow.cluster._remote import RemoteRoles
 from omniflow.transport import EndpointState
 from omniflow.transport._auth import Sealer
 from omniflow.transport._protocol import Dones, Frame, Message, batch, encode_msg

@@ -1,4 +1,4 @@
-"""The launcher seam (``runtime/_launch.py``): the front starts replicas only through a Launcher.
+"""The launcher seam (``cluster/_launch.py``): the front starts replicas only through a Launcher.
 
 Here a launcher that runs each replica's Worker as a task of the test's own event loop (no
 process) stands in for a Ray actor launcher: the whole multi-process path (sealed wire,
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import omniflow as of
-from omniflow.runtime._launch import Launcher, LaunchSpec, ReplicaHandle, SubprocessLauncher
-from omniflow.runtime._replica import ReplicaState
-from omniflow.runtime._worker import Worker
+from omniflow.cluster._launch import Launcher, LaunchSpec, ReplicaHandle, SubprocessLauncher
+from omniflow.cluster._replica import ReplicaState
+from omniflow.cluster._worker import Worker
 
 from . import mp_graphs as mp
 

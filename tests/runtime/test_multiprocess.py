@@ -624,7 +624,7 @@ async def test_workers_leave_when_their_front_is_killed(
 ) -> None:
     """Workers run in a session of their own (Ctrl-C in the front's terminal must not reach
     them); a front that dies without stopping them must not leave them running, nor the fork
-    server that forked them (``runtime/_forkserver.py``)."""
+    server that forked them (``cluster/_forkserver.py``)."""
     front_proc = subprocess.Popen(
         [sys.executable, "-c", FRONT, GRAPH_FILE],
         stdin=subprocess.DEVNULL,

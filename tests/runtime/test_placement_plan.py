@@ -1,4 +1,4 @@
-"""Placement planning (``runtime/_placement.py``): pure, so no process is started here."""
+"""Placement planning (``cluster/_placement.py``): pure, so no process is started here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from omniflow import Deploy, GraphError, OmniflowError
-from omniflow.runtime._placement import ProcessSpec, plan_processes, resolve_connectors
+from omniflow.cluster._placement import ProcessSpec, plan_processes, resolve_connectors
 
 MODULES: dict[str, str | None] = {"a": "pkg.one", "b": "pkg.one", "c": "pkg.two"}
 

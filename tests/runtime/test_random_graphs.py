@@ -22,7 +22,7 @@ must be empty.
 
 The same check runs across processes (``test_random_graph_across_processes_matches_reference``):
 every role in one of two or three worker processes, alternating along the plan, so most edges
-cross processes and the fast path (runtime/_forward.py) starts the direct-fire ones worker to
+cross processes and the fast path (cluster/_forward.py) starts the direct-fire ones worker to
 worker; the same examples run with the fast path off, so a difference between the two paths
 fails one of them. A worker rebuilds the example's graph from a file the test writes
 (random_graph_module.py), and a rule a method sees broken there fails its activation with an

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omniflow as of
-from omniflow.runtime._ray_plan import STRATEGIES, load_deploy
+from omniflow.cluster._ray_plan import STRATEGIES, load_deploy
 
 from . import life_graphs as lg
 from . import ray_graphs as rg
@@ -375,7 +375,7 @@ async def test_a_second_start_replaces_the_worker_an_actor_runs(
 ) -> None:
     """A front that lost sight of a live actor (a transient Ray error) starts it again: the
     old worker leaves and a new one serves on a fresh endpoint, in the same process."""
-    from omniflow.runtime._ray_actor import ReplicaHost, Secret
+    from omniflow.cluster._ray_actor import ReplicaHost, Secret
 
     ray = ray_local
     actor = ray.remote(ReplicaHost).options(max_concurrency=4).remote({"OMNIFLOW_FAST_PATH": "1"})

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 import omniflow as of
-from omniflow.runtime._ray import RayReplica
-from omniflow.runtime._replica import Lifecycle, ReplicaState
+from omniflow.cluster._ray import RayReplica
+from omniflow.cluster._replica import Lifecycle, ReplicaState
 
 from . import ray_graphs as rg
 from .test_placement import eventually

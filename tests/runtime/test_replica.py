@@ -1,4 +1,4 @@
-"""The replica lifecycle (``runtime/_replica.py``): its transition table and restart backoff."""
+"""The replica lifecycle (``cluster/_replica.py``): its transition table and restart backoff."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from omniflow.runtime._replica import (
+from omniflow.cluster._replica import (
     GONE,
     RESPAWN_CAP,
     ROUTABLE,

@@ -45,7 +45,7 @@ async def test_fields_of_one_generator_frame_pair_up_per_frame(runtime: Any) -> 
 async def test_an_internal_error_ends_the_call_not_the_runtime(
     runtime: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omniflow.runtime import _session
+    from omniflow.runtime.callcore import _orders as _session
 
     class Gen(of.Role):
         @of.interface(inputs_or=[["n"]], outputs=["x"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from omniflow.runtime._worker_state import CANCELLED_EARLY
+from omniflow.cluster._worker_state import CANCELLED_EARLY
 from omniflow.transport._protocol import Cancel, Claim, Claimed, Done, Run
 
 from .test_worker_dones import A, B, sent, worker

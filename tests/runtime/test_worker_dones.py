@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omniflow.runtime._worker import Worker
+from omniflow.cluster._worker import Worker
 from omniflow.transport._protocol import (
     MAX_BATCH,
     Batch,

@@ -11,9 +11,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omniflow.runtime._forward import Route
-from omniflow.runtime._worker import Worker
-from omniflow.runtime._worker_held import Fw, FwdBatch, Link
+from omniflow.cluster._forward import Route
+from omniflow.cluster._worker import Worker
+from omniflow.cluster._worker_held import Fw, FwdBatch, Link
 from omniflow.transport._auth import PlainOpener, PlainSealer
 from omniflow.transport._base import Packet
 from omniflow.transport._protocol import (

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from omniflow.cluster._worker import Worker
 from omniflow.data._connectors import HOST
 from omniflow.data._handle import BlockHandle
 from omniflow.data._ref import DataRef
 from omniflow.runtime._params import SessionParams
-from omniflow.runtime._worker import Worker
 from omniflow.transport._protocol import EndCall, Hello, Release, Stop
 
 KEY = b"test-cluster-key-0123456789abcdef"

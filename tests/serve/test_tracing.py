@@ -122,7 +122,7 @@ async def test_a_served_call_is_one_trace(receiver: Receiver, placement: Any) ->
             ray.init(num_cpus=64, include_dashboard=False)
         else:
             ray = None
-        from omniflow.runtime._ray_plan import Ray
+        from omniflow.cluster._ray_plan import Ray
 
         placement = Ray({})
     try:
