@@ -20,7 +20,10 @@ processes of the node (``placement="process"``, Ray actors of one bundle): they 
 that name (its metadata is the deployment's) with its members' share of the minimum, its L1 in
 shared memory so partners read its pages in place. A proposal is ``pages`` when given, else
 measured (``propose_pages``: CUDA free memory, or on CPU a budget / ``MemAvailable``, minus a
-margin).
+margin). From its arrival until it proposes, a seat across processes leaves last words
+(``Colocation.last_words``): a process that dies there fails its front's start with an error
+naming the role and the pool. A pool on a GPU shared across processes would need CUDA IPC, which
+is not implemented: such a seat is refused by name before any weight loads.
 
 The decision itself (``_Decision``) is pure: members, proposals, outcome; the class is the async
 shell around it.
