@@ -33,6 +33,9 @@ class CgA(of.Role):
         seat.arrive()  # (an engine arrives before it loads its weights ...)
         seat.propose()  # (... and proposes once they are loaded)
 
+    async def teardown(self) -> None:
+        await barrier().leave("cg_a")  # (an engine's stop() does this)
+
     @of.interface(inputs_or=[["x"]], outputs=["y"])
     async def run(self, x: int) -> dict[str, Any]:
         pool = await barrier().wait("cg_a")

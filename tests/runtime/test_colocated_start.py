@@ -14,17 +14,26 @@ from typing import Any
 import pytest
 
 import omniflow as of
+from omniflow.compute._nodebarrier import PREFIX
+from omniflow.compute._shm import SHM_DIR
 
 from . import colocate_graphs as cg
 
 WORDS = "kv_pool_barrier 'cg-kv': role 'cg_b' died during the barrier"
 
 
+def _barriers() -> set[str]:
+    """This module's barrier directories in the node's shared memory."""
+    return {str(p.parent) for p in SHM_DIR.glob(PREFIX + "*/cg_a.alive")}
+
+
 async def _start_fails(placement: Any) -> of.StartError:
+    before = _barriers()
     rt = of.Runtime(cg.dies, placement=placement)
     with pytest.raises(of.StartError) as info:
         await rt.start()
     assert rt.state.value == "closed"
+    assert _barriers() == before  # the partner left as it stopped: nothing stays in /dev/shm
     return info.value
 
 
