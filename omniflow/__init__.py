@@ -22,6 +22,7 @@ from omniflow._exceptions import (
     PoolExhaustedError,
     RegistryError,
     RuntimeClosedError,
+    StartError,
     TransportError,
 )
 from omniflow._loader import load_graphs, parse
@@ -92,6 +93,7 @@ __all__ = [
     "SamplingParams",
     "SkipCopyBuffer",
     "SkipCopyParameter",
+    "StartError",
     "StaticPlan",
     "StepOutput",
     "TorchEngine",

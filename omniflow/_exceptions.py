@@ -6,6 +6,7 @@
     │   └── MediaError          an of.Audio / of.Image value or its bytes are malformed
     ├── NodeError           a node failed, was cancelled, or broke a runtime rule during a call
     ├── RuntimeClosedError  a Runtime (or pool, server) was used outside its lifetime
+    ├── StartError          a Runtime could not start: a role's setup() failed or its process died
     ├── TransportError      a message could not be encoded, sent or received
     │   ├── CodecError          a message is malformed, truncated or of another wire version
     │   └── ProtocolError       a decoded message breaks the protocol (transport/_protocol.py)
@@ -45,6 +46,7 @@ __all__ = [
     "PoolExhaustedError",
     "RegistryError",
     "RuntimeClosedError",
+    "StartError",
     "TransportError",
 ]
 
@@ -163,6 +165,25 @@ class NodeError(OmniflowError):
 
 class RuntimeClosedError(OmniflowError):
     """A lifecycle object (Runtime, server, pool) was used before start or after close."""
+
+
+class StartError(OmniflowError):
+    """A Runtime could not start: a role's ``setup()`` failed, its process died before it was
+    ready, or a partner it is co-located with did (``rt.start()`` raises it and closes).
+
+    >>> err = StartError("role 'dit' died during the barrier", roles=["llm"], replica="llm-0")
+    >>> err.roles
+    ['llm']
+    """
+
+    def __init__(
+        self, message: str, *, roles: list[str] | None = None, replica: str | None = None
+    ) -> None:
+        super().__init__(message)
+        #: The roles whose start failed (the replica's roles across processes).
+        self.roles = list(roles or [])
+        #: The replica that did not start, across processes (None in this process).
+        self.replica = replica
 
 
 class TransportError(OmniflowError):

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
+from omniflow._exceptions import OmniflowError, RuntimeClosedError, StartError, TransportError
 from omniflow.cluster._fleet_intake import Intake
 from omniflow.cluster._fleet_replica import OnLost, OnMessage, Replica
 from omniflow.cluster._fleet_watch import Supervision
@@ -339,10 +339,14 @@ class Fleet:
             # and respawned, and cannot come back half-alive.
             proc.kill()
         if rep.ready is not None and not rep.ready.done():
-            reason = (proc.start_error() if proc is not None else None) or why
+            # What the worker wrote (why it raised, or what it was doing when it died).
+            said = proc.start_error() if proc is not None else None
+            reason = f"{said}; {why}" if said else why
             rep.ready.set_exception(
-                OmniflowError(
-                    f"worker {rep.replica_id} (role(s) {rep.roles}) died before ready: {reason}"
+                StartError(
+                    f"worker {rep.replica_id} (role(s) {rep.roles}) died before ready: {reason}",
+                    roles=rep.roles,
+                    replica=rep.replica_id,
                 )
             )
             rep.ready.exception()  # retrieved: nobody may be waiting any more

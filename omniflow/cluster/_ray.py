@@ -30,12 +30,14 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from omniflow._exceptions import OmniflowError
+from omniflow._exceptions import OmniflowError, StartError
 from omniflow.cluster._launch import (
     COLOCATE_ENV,
+    START_ERROR_ENV,
     Launcher,
     LaunchSpec,
     ReplicaHandle,
+    _start_error,
     colocation_group,
 )
 from omniflow.transport._fastpath import FAST_PATH_ENV, fast_path_enabled
@@ -147,6 +149,12 @@ class RayReplica(ReplicaHandle):
     def end(self) -> None:
         """Kill the actor for good (the front is closing)."""
         self._launcher.kill(self.actor, restart=False)
+
+
+def _words_file(spec: LaunchSpec) -> str:
+    """Where the replica's worker leaves its last words (in the front's private directory: an
+    actor on another node cannot write there, and its death is then told by Ray alone)."""
+    return os.path.join(spec.workdir, f"{spec.replica_id}.err")
 
 
 def _brief(exc: BaseException) -> str:
@@ -261,6 +269,8 @@ class RayLauncher(Launcher):
                 # One co-location group per bundle: its layer-0 role and the roles colocated
                 # with it share their pools (they are on one node: Ray packs a bundle whole).
                 COLOCATE_ENV: colocation_group(spec.owner, f"{anchor}:{bundle}"),
+                # What it was doing should it die while starting (read back on this node).
+                START_ERROR_ENV: _words_file(spec),
             }
             if role.layer:
                 cuda = await asyncio.shield(env_fut)  # the layer-0 replica of this bundle
@@ -299,10 +309,19 @@ class RayLauncher(Launcher):
         self, actor: Any, spec: LaunchSpec, max_restarts: int, args: tuple[Any, ...]
     ) -> dict[str, Any]:
         """``actor.start(...)``, waiting through a restart Ray has under way; the worker's own
-        failure (a failed setup()) and a lost actor as OmniflowErrors naming the replica."""
+        failure (a failed setup()), an actor that died in this start leaving word of where (a
+        co-located pool's barrier), and a lost actor as errors naming the replica."""
         ray = import_ray()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout
+
+        def failed(why: str) -> StartError:
+            return StartError(
+                f"worker {spec.replica_id} (role(s) {list(spec.roles)}) died before ready: {why}",
+                roles=list(spec.roles),
+                replica=spec.replica_id,
+            )
+
         try:
             while True:
                 try:
@@ -311,17 +330,20 @@ class RayLauncher(Launcher):
                     )
                     return info
                 except ray.exceptions.ActorUnavailableError:
+                    said = _start_error(_words_file(spec))
+                    if said:  # it died in this start: Ray's restarts would end the same way
+                        raise failed(f"{said}; Ray restarts its actor") from None
                     # Ray is restarting the actor (a respawn came first): wait for it, do
                     # not count a failed respawn (that would back off as for a crash loop).
                     if loop.time() > deadline:
                         raise
                     await asyncio.sleep(0.02)
         except ray.exceptions.RayTaskError as exc:
-            raise OmniflowError(
-                f"worker {spec.replica_id} (role(s) {list(spec.roles)}) died before ready: "
-                f"{_cause(exc)}"
-            ) from None
+            raise failed(_cause(exc)) from None
         except ray.exceptions.RayError as exc:
+            said = _start_error(_words_file(spec))
+            if said:
+                raise failed(f"{said}; Ray lost its actor") from None
             raise OmniflowError(
                 f"worker {spec.replica_id} (role(s) {list(spec.roles)}): Ray lost its actor "
                 f"(max_restarts={max_restarts}): {_brief(exc)}"

@@ -38,11 +38,12 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
 from omniflow._loader import load_graphs
-from omniflow.cluster._launch import EDGES_KEY, START_ERROR_ENV
+from omniflow.cluster._launch import EDGES_KEY
 from omniflow.cluster._worker_calls import CallState
 from omniflow.cluster._worker_held import envelopes
 from omniflow.cluster._worker_links import ForwardLinks
 from omniflow.cluster._worker_runs import Activations
+from omniflow.cluster._worker_start import record_start_error, worker_colocation
 from omniflow.data.kv._pool import opened_pool_stats
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._batcher import Batcher
@@ -132,21 +133,16 @@ class Worker(Activations, ForwardLinks, CallState):
     async def run(self) -> None:
         """Load, set up, serve until ``stop`` (or SIGTERM), tear down."""
         from omniflow.cluster._launch import colocation_key
-        from omniflow.dsl._context import Colocation
 
         # Methods run in copies of this context (taken before any setup() could add to it).
         self._ctx = contextvars.copy_context()
         try:
             self._load()
-            facts = Colocation(frozenset(self.role_names), colocation_key())
+            facts = worker_colocation(self.role_names, colocation_key())
             for role in self._roles:
                 await setup_role(self._role_names_of[id(role)], role.setup, facts)
         except Exception as exc:
-            # The front that spawned this worker reads why it did not start from here.
-            path = os.environ.get(START_ERROR_ENV)
-            if path:
-                with contextlib.suppress(OSError), open(path, "w") as f:
-                    f.write(str(exc))
+            record_start_error(exc)  # the front that spawned this worker reads why
             raise
         endpoint = self._endpoint = bind(self.address, key=self._key)
         self._sealer = sealer_for(endpoint, self._key)

@@ -20,7 +20,10 @@ processes of the node (``placement="process"``, Ray actors of one bundle): they 
 that name (its metadata is the deployment's) with its members' share of the minimum, its L1 in
 shared memory so partners read its pages in place. A proposal is ``pages`` when given, else
 measured (``propose_pages``: CUDA free memory, or on CPU a budget / ``MemAvailable``, minus a
-margin).
+margin). From its arrival until it proposes, a seat across processes leaves last words
+(``Colocation.last_words``): a process that dies there fails its front's start with an error
+naming the role and the pool. A pool on a GPU shared across processes would need CUDA IPC, which
+is not implemented: such a seat is refused by name before any weight loads.
 
 The decision itself (``_Decision``) is pure: members, proposals, outcome; the class is the async
 shell around it.
@@ -37,8 +40,9 @@ from typing import Any
 import torch
 
 from omniflow.compute._errors import EngineError
-from omniflow.compute._nodebarrier import NodeBarrier
+from omniflow.compute._nodebarrier import NodeBarrier, died_during_barrier
 from omniflow.data.kv import PageLayout, ParamsPool
+from omniflow.dsl._context import Colocation
 
 __all__ = ["KvPoolBarrier", "PoolSeat", "free_bytes", "pages_that_fit", "propose_pages"]
 
@@ -108,6 +112,14 @@ def propose_pages(
             f"{page_bytes} bytes after a {margin:.0%} margin; free memory or give a budget"
         )
     return pages
+
+
+def _pool_device(pool: ParamsPool) -> torch.device:
+    """Where ``pool``'s L1 will live: its declared device, else the default it opens on."""
+    from omniflow.data.kv._tiers import default_device
+
+    given = pool._device
+    return torch.device(given) if given is not None else default_device()
 
 
 class _Decision:
@@ -183,6 +195,8 @@ class KvPoolBarrier:
         self._node: NodeBarrier | None = None
         self._local = len(self._decision.members)
         self._placed = False
+        #: This process's co-location facts (None: every role is in this process).
+        self._facts: Colocation | None = None
         self.size: int | None = None  #: the node's pool size (L1 pages) once decided
 
     def arrive(self, member: str) -> None:
@@ -194,6 +208,13 @@ class KvPoolBarrier:
             self._place()
         if self._node is not None:
             self._node.arrive(member)
+            # Should this process die before it proposes, its front says so, naming the pool.
+            self._say(f"kv_pool_barrier '{self.name}': {died_during_barrier(member)}")
+
+    def _say(self, words: str | None) -> None:
+        say = self._facts.last_words if self._facts is not None else None
+        if say is not None:
+            say(words)
 
     def _place(self) -> None:
         from omniflow.dsl._context import colocation, role_pools
@@ -205,7 +226,7 @@ class KvPoolBarrier:
         graph_pool = pools.get(self.name)
         if graph_pool is not None and not isinstance(graph_pool, ParamsPool):
             graph_pool = None
-        facts = colocation()
+        facts = self._facts = colocation()
         members = self._decision.members
         if facts is not None and not members <= facts.local:
             if graph_pool is None:
@@ -214,6 +235,16 @@ class KvPoolBarrier:
                     "in other processes of this node; declare the pool in the graph "
                     f"(of.Graph(..., pools=[of.TorchEngine.pool(model_dir, {self.name!r})])) "
                     "so every process sizes its instance of it and shares its metadata"
+                )
+            device = _pool_device(graph_pool)
+            if device.type != "cpu":
+                raise EngineError(
+                    f"kv_pool_barrier '{self.name}': roles {sorted(members - facts.local)} run in "
+                    f"other processes of this node and would share the pool's L1 on "
+                    f"{device} through CUDA IPC, which this build does not implement "
+                    "(no GPU to test it on); put the co-located roles in one process (one Deploy "
+                    "process group, e.g. of.Deploy({role: {'process': 'gpu0'}, ...})) or give "
+                    "each its own pool"
                 )
             self._node = NodeBarrier(facts.key, self.name, members)
             self._local = len(members & facts.local)
@@ -268,6 +299,7 @@ class KvPoolBarrier:
         self._decision.propose(member, pages)
         if self._node is not None:
             self._node.propose(member, pages)
+            self._say(None)  # loaded and proposed: a death from here on is not the barrier's
             return
         size = self._decision.size
         if size is not None and not done.done():

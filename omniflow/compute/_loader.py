@@ -4,8 +4,10 @@
 
 Sharded checkpoints are read through ``model.safetensors.index.json``; single-file ones from
 ``model.safetensors``. Tied embeddings (no ``lm_head.weight``) share the embedding matrix. Tensors
-are read one at a time and moved straight to the target device and dtype. Every tensor is used or
-the checkpoint is refused naming it (``_weights.check_tensors``): a weight is never dropped.
+are read one at a time and copied straight to the target device and dtype: a private load holds
+its own copy, never a view of the file's page cache (``share``: the node's one copy instead).
+Every tensor is used or the checkpoint is refused naming it (``_weights.check_tensors``): a
+weight is never dropped.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ def load_weights(
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    # copy=True: a CPU tensor of the file's dtype would otherwise stay a view
+                    # of the file's mmap (page cache every process on the node shares), not
+                    # this process's own copy, which is what a private load promises.
+                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
         except (OSError, ValueError, SafetensorError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}", path=str(path)) from exc
     return weights

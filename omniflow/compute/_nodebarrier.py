@@ -38,7 +38,7 @@ from pathlib import Path
 from omniflow.compute._errors import EngineError
 from omniflow.compute._shm import SHM_DIR
 
-__all__ = ["NodeBarrier", "decide"]
+__all__ = ["NodeBarrier", "decide", "died_during_barrier"]
 
 PREFIX = "omniflow-kvb-"
 
@@ -54,13 +54,18 @@ def decide(
     for who in sorted(failed):
         return None, f"role {who!r} failed: {failed[who]}"
     for who in sorted(dead - set(proposals)):
-        return None, (
-            f"role {who!r} died during the barrier (its process exited before it proposed; "
-            "see that role's log)"
-        )
+        return None, died_during_barrier(who)
     if set(proposals) >= members:
         return min(proposals[m] for m in members), None
     return None, None
+
+
+def died_during_barrier(member: str) -> str:
+    """What a partner hears of ``member``, and its front too when its process dies unheard."""
+    return (
+        f"role {member!r} died during the barrier (its process exited before it proposed; see "
+        "that role's log)"
+    )
 
 
 def _try_lock(fd: int, op: int) -> bool:

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -80,6 +80,9 @@ class Colocation:
     #: This process's co-location group: the deployment and the replica slot (or Ray bundle)
     #: it fills; processes of one node with the same key are co-located.
     key: str
+    #: Leaves word of what this process is doing, for the front to read should the process die
+    #: before it is ready (None: nobody reads it); ``None`` as the word clears it.
+    last_words: Callable[[str | None], None] | None = None
 
 
 #: Set by the runtime around a role's ``setup()`` when roles run in several processes (None:

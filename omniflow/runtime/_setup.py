@@ -1,6 +1,6 @@
-"""A role's ``setup()``, as both placements await it (the front in-process, a worker).
+"""A role's ``setup()``, as every placement awaits it (the front in-process, a worker).
 
->>> await setup_role("vae", role.setup)                        # doctest: +SKIP
+>>> await setup_role("llm", role.setup, facts)                   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from omniflow._exceptions import OmniflowError
+from omniflow._exceptions import StartError
 
 __all__ = ["setup_role"]
 
@@ -28,7 +28,9 @@ async def setup_role(name: str, setup: Any, colocation: Any = None) -> None:
     try:
         await setup()
     except Exception as exc:
-        raise OmniflowError(f"role '{name}' setup() failed: {type(exc).__name__}: {exc}") from exc
+        raise StartError(
+            f"role '{name}' setup() failed: {type(exc).__name__}: {exc}", roles=[name]
+        ) from exc
     finally:
         _colocation.reset(ctoken)
         _setup_pools.reset(token)

@@ -29,7 +29,7 @@ from omniflow.compute._colocate import (
 )
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._dit import make_tiny_dit
-from omniflow.compute._nodebarrier import NodeBarrier, decide
+from omniflow.compute._nodebarrier import NodeBarrier, decide, died_during_barrier
 from omniflow.compute._pool import layout_for
 from omniflow.compute._tiny import make_tiny_model
 from omniflow.data.kv import PageLayout
@@ -280,3 +280,53 @@ def test_a_member_that_dies_during_the_barrier_fails_its_partner_naming_it() -> 
     nb = NodeBarrier(group, "kv", ("a", "b"))  # (recreates the directory: remove it again)
     nb.leave("a")
     assert not nb.path.exists()  # nobody alive is left: the last leave removed it
+
+
+def _in_a_worker(name: str, group: str, pool: Any, said: list[str | None] | None = None) -> None:
+    """What a worker's ``setup()`` sees: the graph's pool, and partners in other processes."""
+    from omniflow.dsl._context import Colocation, _colocation, _setup_pools
+
+    _setup_pools.set({pool.name: pool})
+    _colocation.set(
+        Colocation(frozenset({name}), group, last_words=None if said is None else said.append)
+    )
+
+
+def test_a_seat_leaves_last_words_until_it_proposed() -> None:
+    """Across processes, a role that takes its seat tells its front (the worker's start-error
+    file) that dying now is dying in the barrier of this pool; proposing takes that back."""
+    import uuid
+
+    from omniflow.data.kv import ParamsPool
+
+    async def go() -> None:
+        said: list[str | None] = []
+        _in_a_worker("a", f"test-{uuid.uuid4().hex}", ParamsPool("kv", LAYOUT, {"l1": 1}), said)
+        barrier = KvPoolBarrier("kv", None, members=("a", "b"))
+        barrier.arrive("a")
+        assert said == ["kv_pool_barrier 'kv': " + died_during_barrier("a")]
+        barrier.propose("a", 300)
+        assert said[-1] is None
+        await barrier.leave("a")
+
+    asyncio.run(go())
+
+
+def test_a_pool_on_cuda_across_processes_is_refused_by_name() -> None:
+    """Sharing a pool's L1 across processes on a GPU needs CUDA IPC, which is not implemented:
+    the seat is refused before any weight loads, naming the pool, the partners and what to do.
+    (The condition is the pool's device; no GPU is needed to check the refusal.)"""
+    import uuid
+
+    from omniflow.data.kv import ParamsPool
+
+    async def go() -> None:
+        pool = ParamsPool("kv", LAYOUT, {"l1": 1}, device="cuda")
+        _in_a_worker("a", f"test-{uuid.uuid4().hex}", pool)
+        barrier = KvPoolBarrier("kv", None, members=("a", "b"))
+        refused = r"'kv': roles \['b'\] run in other processes .* on cuda through CUDA IPC"
+        with pytest.raises(EngineError, match=refused + ".*one Deploy process group"):
+            barrier.arrive("a")
+        assert not pool.opened  # nothing was allocated
+
+    asyncio.run(go())

@@ -333,6 +333,17 @@ async def test_a_shared_l1_is_read_in_place_by_a_colocated_pool(make: Any) -> No
     a.validate()
 
 
+async def test_a_shared_l1_on_cuda_is_refused_by_name() -> None:
+    """Viewing a GPU L1 from another process needs CUDA IPC, not implemented: opening such a
+    pool says so (the condition is the device; no GPU is needed to check it)."""
+    pool = of.ParamsPool("kv", LAYOUT, {"l1": 1, "l2": 0}, shared_l1=True, device="cuda")
+    with pytest.raises(
+        of.DataError, match=r"params pool '\w*_kv_\w*': a shared L1 on cuda needs CUDA IPC"
+    ):
+        await pool.open()
+    assert not pool.opened
+
+
 def test_a_colocated_pool_is_sized_before_it_opens() -> None:
     pool = of.ParamsPool("kv", LAYOUT, {"l1": 1, "l2": 0})
     pool.colocate(7, shared=True)
