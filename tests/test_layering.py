@@ -376,3 +376,25 @@ def test_checker_reports_a_module_in_no_layer(tmp_path: Path) -> None:
         "omniflow/gadgets/_x.py",
     ]
     assert "add its folder to LAYERS" in violations[0].why
+
+
+#: The most lines a module of the package may have (issue 38): a longer one is split by concern.
+MAX_MODULE_LINES = 500
+
+
+def modules_over(package_dir: Path, limit: int) -> list[tuple[str, int]]:
+    """(path below the package's parent, line count) of every module longer than ``limit``."""
+    return [
+        (str(path.relative_to(package_dir.parent)), n)
+        for path in sorted(package_dir.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > limit
+    ]
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    assert modules_over(PACKAGE_DIR, MAX_MODULE_LINES) == []
+
+
+def test_the_line_limit_check_finds_a_long_module(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, {**LEGAL, "plan/_long.py": "x = 1\n" * 12})
+    assert modules_over(tree, 11) == [("omniflow/plan/_long.py", 12)]
