@@ -1,16 +1,19 @@
 """Omni chat: text (+ images) in, a real LLM streaming text, speech out per sentence.
 
-    vision.encode  messages -> segment frames (segmented emission, paper §5.1): the prompt as an
-                   ordered list of segments, images first (LLaVA-style), each image through a
-                   ViT-style patch encoder behind an EncoderCache (the same image coming back
-                   skips the encoder), the conversation last. Each freshly encoded image is its
-                   own frame, yielded before the next image is encoded; what needs no encoder
-                   work (cached images, the text) rides in one frame with its neighbours.
+    vision.encode  messages -> segment and image frames (segmented emission, paper §5.1): the
+                   prompt as an ordered list of segments, images first (LLaVA-style), the
+                   conversation last. An image the EncoderCache holds (the same image coming back)
+                   rides as rows in a segment with its ready neighbours, sent at once; an image
+                   it lacks becomes an ``image`` frame of its own, holding its segment's place.
+    vision.embed   image -> segment, batched (``of.Batch(16, 5)``): the images waiting, of every
+                   call, decoded and run through the ViT-style patch encoder in one forward pass
+                   (into the cache), each back as its own segment frame. ``llm.generate`` takes
+                   the segments of a call in their order whichever node sent them.
     llm.generate   segment -> text (token deltas, OpenAI-style) + sentence + usage. One
                    activation per segment frame (lb="session": in order): the first opens a
                    TorchEngine request (its cached prefix is matched in the ParamsPool), every
-                   frame is fed to it and prefilled at once, so segment k is prefilled while the
-                   encoder works on segment k+1; the last frame closes the input and streams.
+                   frame is fed to it and prefilled at once, so a ready segment is prefilled while
+                   the encoder works on a later one; the last frame closes the input and streams.
     tts.speak      sentence -> audio (an ``of.Audio`` per sentence, spoken by espeak-ng)
 
 The model directory comes from ``$OMNIFLOW_MODEL`` (any Llama/Qwen2/Mistral instruct checkpoint
@@ -132,11 +135,13 @@ def image_bytes(payload: str) -> bytes:
 
 
 class VisionEncoder(of.Role):
-    """The prefix-matching role: messages -> segment frames, images through a cached ViT."""
+    """The prefix-matching role: messages -> segment frames, images through a cached ViT that
+    encodes the waiting images of every call together."""
 
     def __init__(self, cache_size: int = 64) -> None:
         self.cache = of.EncoderCache(cache_size)
-        self.calls = 0  #: encoder forward passes actually run (cache misses)
+        self.calls = 0  #: images actually run through the encoder (cache misses)
+        self.batches = 0  #: encoder forward passes run (one per batch of misses)
 
     async def setup(self) -> None:
         from omniflow.compute._config import ModelConfig
@@ -150,13 +155,32 @@ class VisionEncoder(of.Role):
                 f"hidden_size is {hidden}; point OMNIFLOW_VISION_MODEL to a matching encoder"
             )
 
-    async def _encode(self, payload: str) -> Any:
-        """One encoder forward pass, off the event loop."""
-        data = image_bytes(payload)
-        self.calls += 1
-        return await asyncio.to_thread(self.vit.encode, data)
+    def _pixels_and_forward(self, payloads: list[str]) -> list[Any]:
+        """Decode each image, one forward pass over those that decode: rows or the error."""
+        import torch
 
-    @of.interface(inputs_or=[["messages"]], outputs=["segment"])
+        from omniflow.compute._vision import decode_image
+
+        out: list[Any] = []
+        for p in payloads:
+            try:
+                out.append(decode_image(image_bytes(p), self.vit.cfg.image_size))
+            except Exception as exc:  # (one bad image fails its own activation only)
+                out.append(exc)
+        good = [i for i, x in enumerate(out) if not isinstance(x, Exception)]
+        if good:
+            rows = self.vit.forward_batch(torch.stack([out[i] for i in good]))
+            for i, r in zip(good, rows.unbind(0), strict=True):
+                out[i] = r.contiguous()
+        return out
+
+    async def _encode_batch(self, payloads: list[str]) -> list[Any]:
+        """Several images in one encoder forward pass, off the event loop."""
+        self.calls += len(payloads)
+        self.batches += 1
+        return await asyncio.to_thread(self._pixels_and_forward, payloads)
+
+    @of.interface(inputs_or=[["messages"]], outputs=["segment", "image"])
     async def encode(self, messages: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -172,14 +196,37 @@ class VisionEncoder(of.Role):
             if rows is not None:
                 pending.append(rows)
                 continue
+            image_bytes(img)  # a payload that is no image's is refused here, before the encoder
             if pending:  # what is ready is prefilled while this image is encoded
                 yield {"segment": {"index": index, "parts": pending, "last": False}}
                 index, pending = index + 1, []
-            rows = await self.cache.aget_or_compute(img, self._encode)
-            yield {"segment": {"index": index, "parts": [rows], "last": False}}
+            yield {"image": {"index": index, "payload": img}}
             index += 1
         pending.append({"chat": convo})
         yield {"segment": {"index": index, "parts": pending, "last": True}}
+
+    @of.interface(inputs_or=[["image"]], outputs=["segment"], batch=of.Batch(16, 5))
+    async def embed(self, image: list[dict[str, Any]]) -> list[Any]:
+        """The images of a batch (any calls) -> one segment frame each, one forward pass for
+        the ones the cache lacks (an image twice in the batch is encoded once)."""
+        rows: dict[str, Any] = {}
+        for job in image:
+            p = job["payload"]
+            if p not in rows:
+                rows[p] = self.cache.get(p)  # (filled by an earlier batch meanwhile: a hit)
+        misses = [p for p, r in rows.items() if r is None]
+        if misses:
+            self.cache.misses += len(misses)
+            for p, r in zip(misses, await self._encode_batch(misses), strict=True):
+                rows[p] = r
+                if not isinstance(r, Exception):
+                    self.cache.put(p, r)
+        out: list[Any] = []
+        for job in image:
+            r = rows[job["payload"]]
+            seg = {"index": job["index"], "parts": [r], "last": False}
+            out.append(r if isinstance(r, Exception) else {"segment": seg})
+        return out
 
 
 class Llm(of.Role):

@@ -204,9 +204,10 @@ def test_served_to_the_openai_client(tmp_path: Path, executor: str) -> None:
 async def test_segments_are_prefilled_while_the_next_image_is_encoded(
     model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Segmented emission: the LLM prefills image A's rows before the encoder has finished
-    image B. The encoder of B waits for that prefill, so a serial pipeline (the LLM waiting for
-    every segment) deadlocks here instead of passing; the events' order is then asserted."""
+    """Segmented emission: the LLM prefills a ready segment (image A, cached by an earlier call)
+    before the encoder has finished image B. The encoder of B waits for that prefill, so a
+    serial pipeline (the LLM waiting for every segment) deadlocks here instead of passing; the
+    events' order is then asserted."""
     monkeypatch.setenv("OMNIFLOW_MODEL", str(model_dirs("llama")))
     monkeypatch.setenv("OMNIFLOW_AUDIO_DIR", str(tmp_path))
     monkeypatch.setenv("OMNIFLOW_CACHE", str(tmp_path / "cache"))
@@ -215,6 +216,7 @@ async def test_segments_are_prefilled_while_the_next_image_is_encoded(
     vision, llm = graph.roles["vision"], graph.roles["llm"]
     events: list[str] = []
     async with of.Runtime(graph) as rt:
+        await rt.run("omni_chat", {"messages": [user("Only A.", a)], **UNSET, "max_tokens": 1})
         loop = asyncio.get_running_loop()
         prefill_started = asyncio.Event()
         runner = llm.engine._runner
@@ -230,22 +232,21 @@ async def test_segments_are_prefilled_while_the_next_image_is_encoded(
             return step(plan)
 
         runner.step = recording_step
-        encode = vision._encode
+        encode = vision._encode_batch
 
-        async def gated_encode(payload: str) -> Any:
-            name = "A" if payload == a else "B"
-            events.append(f"encode {name} start")
-            if name == "B":
-                await asyncio.wait_for(prefill_started.wait(), 120)
-            rows = await encode(payload)
-            events.append(f"encode {name} done")
+        async def gated_encode(payloads: list[str]) -> Any:
+            assert payloads == [b]  # A comes from the cache
+            events.append("encode B start")
+            await asyncio.wait_for(prefill_started.wait(), 120)
+            rows = await encode(payloads)
+            events.append("encode B done")
             return rows
 
-        vision._encode = gated_encode
+        vision._encode_batch = gated_encode
         msgs = [user("Compare these two pictures.", a, b)]
         out = await rt.run("omni_chat", {"messages": msgs, **UNSET, "max_tokens": 12}, session="p")
         runner.step = step
-        vision._encode = encode
+        vision._encode_batch = encode
         # the whole answer equals one request with every segment given at once
         rows = [vision.cache.get(a), vision.cache.get(b)]
         ids = llm.engine.tokenizer.apply_chat_template(
@@ -256,12 +257,51 @@ async def test_segments_are_prefilled_while_the_next_image_is_encoded(
         )
         whole = "".join([o.text async for o in llm.engine.generate(req)])
     prefill = next(i for i, e in enumerate(events) if e.startswith("prefill"))
-    assert events[0] == "encode A start" and events[1] == "encode A done", events
-    assert events.index("encode B start") < prefill < events.index("encode B done"), events
-    # image A's rows (16) were computed before B's rows joined: all but the last held back
+    assert "encode B start" in events and prefill < events.index("encode B done"), events
+    # image A's rows (16) were prefilled before B's rows joined: all but the last held back
     assert events[prefill].endswith("from 0 +15"), events
     assert "".join(out["text"]) == whole
     assert out["usage"][0]["prompt_tokens"] == 32 + len(ids)
+
+
+async def test_images_of_concurrent_calls_are_encoded_in_one_batch(
+    model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``vision.embed`` is batched: images of several calls in one batch run one forward pass
+    and give each activation the rows it gets alone (an image twice in a batch is encoded once;
+    one that is no image fails its own activation); concurrent calls through the graph get
+    the rows an unbatched encoder computes."""
+    import torch
+
+    monkeypatch.setenv("OMNIFLOW_MODEL", str(model_dirs("llama")))
+    monkeypatch.setenv("OMNIFLOW_AUDIO_DIR", str(tmp_path))
+    monkeypatch.setenv("OMNIFLOW_CACHE", str(tmp_path / "cache"))
+    (graph,) = of.load_graphs(GRAPH)
+    vision = graph.roles["vision"]
+    urls = [png_url((40 * i, 200 - 30 * i, 90)) for i in range(4)]
+    junk = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+    async with of.Runtime(graph) as rt:
+        alone = [vision._pixels_and_forward([u])[0] for u in urls]  # one image a pass
+        batches, calls = vision.batches, vision.calls
+        jobs = [{"index": 0, "payload": u} for u in [urls[0], urls[1], urls[0], junk]]
+        out = await vision.embed(jobs)
+        assert (vision.batches, vision.calls) == (batches + 1, calls + 3)
+        for got, want in zip(out[:3], [alone[0], alone[1], alone[0]], strict=True):
+            (rows,) = got["segment"]["parts"]
+            assert torch.allclose(rows, want, atol=1e-5)
+        assert isinstance(out[3], Exception)
+        # through the graph: four concurrent calls, their images no longer cached
+        vision.cache.clear()
+        runs = [
+            rt.run("omni_chat", {"messages": [user("What is it?", u)], **UNSET, "max_tokens": 2})
+            for u in urls
+        ]
+        outs = await asyncio.gather(*runs)
+        assert all(o["usage"][0]["prompt_tokens"] > 16 for o in outs)
+        stats = rt.batch_stats()["vision.embed"]
+        assert stats["activations"] == 4 and stats["batches"] == vision.batches - batches - 1
+        for u, want in zip(urls, alone, strict=True):
+            assert torch.allclose(vision.cache.get(u), want, atol=1e-5)
 
 
 async def test_an_image_changes_the_answer(
