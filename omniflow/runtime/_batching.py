@@ -68,7 +68,17 @@ class BatchStats:
 class BatchQueue:
     """The waiting activations of one batched node (keys are the shell's, any hashable)."""
 
-    __slots__ = ("_groups", "_n", "_seq", "_where", "max_size", "max_wait", "node", "stats")
+    __slots__ = (
+        "_groups",
+        "_head",
+        "_n",
+        "_seq",
+        "_where",
+        "max_size",
+        "max_wait",
+        "node",
+        "stats",
+    )
 
     def __init__(self, node: str, max_size: int, max_wait: float) -> None:
         #: Node name (for messages).
@@ -85,6 +95,9 @@ class BatchQueue:
         self._n = 0
         #: Arrival counter (orders activations that arrive at the same ``now``).
         self._seq = 0
+        #: The oldest waiting activation (the least arrival number of the groups' heads), kept
+        #: so that ``add``, ``due`` and ``deadline`` cost O(1); None when nothing waits.
+        self._head: tuple[int, Hashable, float] | None = None
         #: Counters for ``statistics()``.
         self.stats = BatchStats()
 
@@ -103,8 +116,11 @@ class BatchQueue:
         q = self._groups.get(group)
         if q is None:
             q = self._groups[group] = deque()
-        q.append((self._seq, key, now))
+        item = (self._seq, key, now)
+        q.append(item)
         self._n += 1
+        if self._head is None:  # (an arrival is never older than what already waits)
+            self._head = item
 
     def remove(self, key: Hashable) -> bool:
         """Take ``key`` out (its call was cancelled); False when it is not waiting."""
@@ -120,23 +136,27 @@ class BatchQueue:
             del self._groups[group]
         self._n -= 1
         self.stats.removed += 1
+        head = self._head
+        if head is not None and head[1] == key:
+            self._head = self._oldest()
         return True
 
     def _oldest(self) -> tuple[int, Hashable, float] | None:
+        """The least arrival number among the groups' heads (O(calls waiting))."""
         heads = [q[0] for q in self._groups.values()]
         return min(heads) if heads else None
 
     def deadline(self) -> float | None:
         """When the oldest waiting activation's batch is due (None: nothing waits)."""
-        oldest = self._oldest()
-        return None if oldest is None else oldest[2] + self.max_wait
+        head = self._head
+        return None if head is None else head[2] + self.max_wait
 
     def due(self, now: float) -> bool:
         """True when ``take(now)`` would return a batch."""
         if self._n >= self.max_size:
             return True
-        oldest = self._oldest()
-        return oldest is not None and now >= oldest[2] + self.max_wait
+        head = self._head
+        return head is not None and now >= head[2] + self.max_wait
 
     def take(self, now: float) -> list[Any] | None:
         """The next batch when one is due (full, or its oldest activation waited
@@ -159,6 +179,7 @@ class BatchQueue:
                     break
         picked.sort()
         self._n -= len(picked)
+        self._head = self._oldest()
         st = self.stats
         st.batches += 1
         st.activations += len(picked)
@@ -193,6 +214,9 @@ class BatchQueue:
             total += len(q)
         assert total == self._n == len(self._where), (
             f"node '{self.node}': {total} queued, counted {self._n}, indexed {len(self._where)}"
+        )
+        assert self._head == self._oldest(), (
+            f"node '{self.node}': the kept oldest {self._head!r} is not {self._oldest()!r}"
         )
         st = self.stats
         assert st.activations >= st.batches >= st.full >= 0 and st.removed >= 0
