@@ -3,6 +3,10 @@
 import omniflow as of
 ocr = of.roles.Ocr()                    # a role: image -> text
 await ocr.setup(); await ocr.read_image(of.Image.from_bytes(png))   # 'STOP HERE'
+
+Not batched across calls (``of.Batch``): rapidocr reads one picture at that picture's own size
+and already batches its text lines; four pictures through its detector together cost as much
+per picture as alone (docs/concurrency.md, "Which roles of the repo are batched").
 """
 
 from __future__ import annotations
