@@ -264,7 +264,7 @@ async def test_segments_are_prefilled_while_the_next_image_is_encoded(
     assert out["usage"][0]["prompt_tokens"] == 32 + len(ids)
 
 
-async def test_images_of_concurrent_calls_are_encoded_in_one_batch(
+async def test_a_batch_of_images_is_encoded_in_one_forward_pass(
     model_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``vision.embed`` is batched: images of several calls in one batch run one forward pass
@@ -290,16 +290,18 @@ async def test_images_of_concurrent_calls_are_encoded_in_one_batch(
             (rows,) = got["segment"]["parts"]
             assert torch.allclose(rows, want, atol=1e-5)
         assert isinstance(out[3], Exception)
-        # through the graph: four concurrent calls, their images no longer cached
+        # through the graph: five concurrent calls, their images no longer cached; the junk
+        # one fails alone
         vision.cache.clear()
         runs = [
             rt.run("omni_chat", {"messages": [user("What is it?", u)], **UNSET, "max_tokens": 2})
-            for u in urls
+            for u in [*urls, junk]
         ]
-        outs = await asyncio.gather(*runs)
+        *outs, bad = await asyncio.gather(*runs, return_exceptions=True)
         assert all(o["usage"][0]["prompt_tokens"] > 16 for o in outs)
+        assert isinstance(bad, of.NodeError) and bad.node == "vision.embed", bad
         stats = rt.batch_stats()["vision.embed"]
-        assert stats["activations"] == 4 and stats["batches"] == vision.batches - batches - 1
+        assert stats["activations"] == 5 and stats["batches"] == vision.batches - batches - 1
         for u, want in zip(urls, alone, strict=True):
             assert torch.allclose(vision.cache.get(u), want, atol=1e-5)
 
