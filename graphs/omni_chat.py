@@ -155,30 +155,33 @@ class VisionEncoder(of.Role):
                 f"hidden_size is {hidden}; point OMNIFLOW_VISION_MODEL to a matching encoder"
             )
 
-    def _pixels_and_forward(self, payloads: list[str]) -> list[Any]:
-        """Decode each image, one forward pass over those that decode: rows or the error."""
-        import torch
-
+    def _decode(self, payload: str) -> Any:
+        """An image's pixels at the encoder's size, or the error that refuses it."""
         from omniflow.compute._vision import decode_image
 
-        out: list[Any] = []
-        for p in payloads:
-            try:
-                out.append(decode_image(image_bytes(p), self.vit.cfg.image_size))
-            except Exception as exc:  # (one bad image fails its own activation only)
-                out.append(exc)
-        good = [i for i, x in enumerate(out) if not isinstance(x, Exception)]
-        if good:
-            rows = self.vit.forward_batch(torch.stack([out[i] for i in good]))
-            for i, r in zip(good, rows.unbind(0), strict=True):
-                out[i] = r.contiguous()
-        return out
+        try:
+            return decode_image(image_bytes(payload), self.vit.cfg.image_size)
+        except Exception as exc:  # (one bad image fails its own activation only)
+            return exc
+
+    def _forward(self, pixels: list[Any]) -> list[Any]:
+        """One encoder forward pass over the stacked images: rows for each."""
+        import torch
+
+        return [r.contiguous() for r in self.vit.forward_batch(torch.stack(pixels)).unbind(0)]
 
     async def _encode_batch(self, payloads: list[str]) -> list[Any]:
-        """Several images in one encoder forward pass, off the event loop."""
+        """Several images, rows or an error each: decoded side by side in threads (Pillow lets
+        go of the GIL), then one forward pass over those that decode, off the event loop."""
         self.calls += len(payloads)
         self.batches += 1
-        return await asyncio.to_thread(self._pixels_and_forward, payloads)
+        out = list(await asyncio.gather(*(asyncio.to_thread(self._decode, p) for p in payloads)))
+        good = [i for i, x in enumerate(out) if not isinstance(x, Exception)]
+        if good:
+            rows = await asyncio.to_thread(self._forward, [out[i] for i in good])
+            for i, r in zip(good, rows, strict=True):
+                out[i] = r
+        return out
 
     @of.interface(inputs_or=[["messages"]], outputs=["segment", "image"])
     async def encode(self, messages: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

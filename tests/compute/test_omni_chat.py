@@ -281,7 +281,7 @@ async def test_a_batch_of_images_is_encoded_in_one_forward_pass(
     urls = [png_url((40 * i, 200 - 30 * i, 90)) for i in range(4)]
     junk = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
     async with of.Runtime(graph) as rt:
-        alone = [vision._pixels_and_forward([u])[0] for u in urls]  # one image a pass
+        alone = [vision._forward([vision._decode(u)])[0] for u in urls]  # one image a pass
         batches, calls = vision.batches, vision.calls
         jobs = [{"index": 0, "payload": u} for u in [urls[0], urls[1], urls[0], junk]]
         out = await vision.embed(jobs)
