@@ -201,6 +201,30 @@ async def test_batcher_arms_its_timer_for_the_deadline_and_runs_one_batch() -> N
     b.close()
 
 
+async def test_a_full_batch_starts_at_once_with_its_clock_standing_still() -> None:
+    """The ``add`` that fills a batch takes it: no timer, no wait (the fake clock never moves);
+    its task runs on the next loop turn. An activation past it waits for a batch of its own."""
+    seen: list[list[int]] = []
+
+    async def method(x: list[int]) -> list[Any]:
+        seen.append(x)
+        return [{"y": v} for v in x]
+
+    got: dict[int, Any] = {}
+    b = Batcher("n.m", method, of.Batch(4, 600_000), clock=lambda: 7.0)
+    for i in range(5):
+        put = functools.partial(got.__setitem__, i)
+        b.add(BatchEntry(b, {"x": i}, _Ctx(i), f"c{i}", put, put))
+        b.validate()
+        if i == 3:  # full: taken by this add, nothing left to time
+            assert len(b.running) == 1 and len(b.queue) == 0 and b._timer is None
+    assert len(b.queue) == 1 and b._timer_at == pytest.approx(7.0 + 600.0)
+    await asyncio.sleep(0)
+    assert seen == [[0, 1, 2, 3]] and got == {i: {"y": i} for i in range(4)}
+    assert b.statistics()["full"] == 1 and b.statistics()["max_wait_s"] == 0.0
+    b.close()
+
+
 async def test_batcher_cancel_before_and_during_a_batch() -> None:
     release = asyncio.Event()
     started = asyncio.Event()
