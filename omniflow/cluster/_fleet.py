@@ -273,8 +273,8 @@ class Fleet:
             if rep.probation is not None:  # went missing while it connected
                 self.event(rep, ReplicaEvent.MISSING, "gone from the registry")
             rep.ready.set_result(None)
-        elif type(msg) is Heartbeat and msg.st is not None:
-            rep.batches = msg.st
+        elif type(msg) is Heartbeat and msg.batching is not None:
+            rep.batches = msg.batching
         # (a Heartbeat: last_seen is updated for every authentic message)
 
     def dropped(self, rep: Replica, reason: str | None, exc: BaseException | None = None) -> None:

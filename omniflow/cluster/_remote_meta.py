@@ -38,10 +38,10 @@ class WorkerQueries:
     def on_call(self, rep: Replica, msg: MetaCall) -> None:
         """A worker's call on the hosted metadata: answered in order (each call is atomic, no
         await inside, and tasks start FIFO)."""
-        self._track(self.call(rep, msg.r, msg.op, msg.args))
+        self._track(self.call(rep, msg.request, msg.op, msg.args))
 
     def on_stats(self, msg: StatsReply) -> None:
-        fut = self._waiting.pop(msg.r, None)
+        fut = self._waiting.pop(msg.request, None)
         if fut is not None and not fut.done():
             fut.set_result(msg._asdict())
 
