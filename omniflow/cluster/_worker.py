@@ -44,7 +44,7 @@ from omniflow.cluster._worker_held import envelopes
 from omniflow.cluster._worker_links import ForwardLinks
 from omniflow.cluster._worker_runs import Activations
 from omniflow.cluster._worker_start import record_start_error, worker_colocation
-from omniflow.data.kv._pool import opened_pool_stats
+from omniflow.data.kv._pool import opened_pool_statistics
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._setup import setup_role
@@ -378,7 +378,7 @@ class Worker(Activations, ForwardLinks, CallState):
             interval = min(self._intervals.values(), default=self.heartbeat_interval)
             await asyncio.sleep(max(0.01, interval))
             # A worker with batched nodes says how its batchers do (the front's /metrics).
-            st: dict[str, Any] | None = self.batch_stats() if self._batchers else None
+            st: dict[str, Any] | None = self.batch_statistics() if self._batchers else None
             eb = self._edge_bytes
             if eb:  # cumulative; when it changed since the last beat (or batch stats go)
                 total = sum(eb.values())
@@ -435,7 +435,7 @@ class Worker(Activations, ForwardLinks, CallState):
                         self.replica_id,
                         os.getpid(),
                         self.plane.statistics(),
-                        self.wire.snapshot(),
+                        self.wire.statistics(),
                         {
                             "running": len(self._running),
                             "calls": len(self._call_owner),
@@ -443,7 +443,7 @@ class Worker(Activations, ForwardLinks, CallState):
                             "links": len(self._links),
                             "link_queued": sum(len(link.out) for link in self._links.values()),
                         },
-                        opened_pool_stats(self._pools.values()) or None,
+                        opened_pool_statistics(self._pools.values()) or None,
                     ),
                 )
             case SourceLost(address=addr, pid=pid):

@@ -157,7 +157,7 @@ class Activations(WorkerState):
         self._running[key] = entry
         batcher.add(entry)
 
-    def batch_stats(self) -> dict[str, dict[str, Any]]:
+    def batch_statistics(self) -> dict[str, dict[str, Any]]:
         """Per batched node hosted here, its batcher's ``statistics()``."""
         return {n: b.statistics() for n, b in sorted(self._batchers.items())}
 

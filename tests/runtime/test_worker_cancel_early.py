@@ -116,7 +116,7 @@ async def test_a_claim_lists_the_runs_not_here_which_then_never_run() -> None:
         await asyncio.sleep(0)
         assert drains == [2]
         assert sent(w) == [(A, Claimed(7, "c", ["1.1.0", "1.2.0"]))]
-        assert w.wire.snapshot()["dropped_malformed"] == 1
+        assert w.wire.statistics()["dropped_malformed"] == 1
         w._start(A, Run("c", "1.1.0", "slow", {"x": 3}, None, 0, 0, "g"))  # late: never runs
         ((peer, done),) = sent(w)
         assert peer == A and (done.aid, done.cancelled) == ("1.1.0", True)

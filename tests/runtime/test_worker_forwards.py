@@ -211,12 +211,12 @@ def test_a_bad_record_is_dropped_alone_a_bad_message_whole() -> None:
         started = serving(w)
         w._handle(B, forwards(as_=["1.0.0", 5, "1.2.0"], vs=[1, 2, 3], qs=[0, 1, "x"]))
         assert [run.aid for _, run in started] == ["1.0.0"]
-        assert w.wire.snapshot()["dropped_malformed"] == 2
+        assert w.wire.statistics()["dropped_malformed"] == 2
         w._handle(B, forwards(vs=[1]))  # lists of unlike lengths
-        assert w.wire.snapshot()["dropped_malformed"] == 3
+        assert w.wire.statistics()["dropped_malformed"] == 3
         w._handle(B, forwards(rid="another"))
         w._handle(B, forwards(ft="never-said-hello"))
-        assert w.wire.snapshot()["dropped_foreign"] == 2
+        assert w.wire.statistics()["dropped_foreign"] == 2
         assert len(started) == 1
     finally:
         w.plane.close()
@@ -237,7 +237,7 @@ def test_a_record_whose_start_fails_stops_none_of_the_others() -> None:
         w._start = start  # type: ignore[method-assign]
         w._handle(B, forwards())
         assert [run.aid for _, run in started] == ["1.1.0"]
-        assert w.wire.snapshot()["dropped_malformed"] == 1
+        assert w.wire.statistics()["dropped_malformed"] == 1
     finally:
         w.plane.close()
 
