@@ -273,8 +273,8 @@ class Fleet:
             if rep.probation is not None:  # went missing while it connected
                 self.event(rep, ReplicaEvent.MISSING, "gone from the registry")
             rep.ready.set_result(None)
-        elif type(msg) is Heartbeat and msg.st is not None:
-            rep.batches = msg.st
+        elif type(msg) is Heartbeat and msg.batching is not None:
+            rep.batches = msg.batching
         # (a Heartbeat: last_seen is updated for every authentic message)
 
     def dropped(self, rep: Replica, reason: str | None, exc: BaseException | None = None) -> None:
@@ -372,13 +372,13 @@ class Fleet:
         registry = self.registry
         forged = registry.statistics().get("forged_records", 0) if registry else 0
         return {
-            **self.wire.snapshot(),
+            **self.wire.statistics(),
             "forged_records": forged,
             "restarts": dict(sorted(self.restarts.items())),
             "live_replicas": {r: len(self.routable(r)) for r in sorted(self.roles)},
         }
 
-    def batch_stats(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def batch_statistics(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Each live replica's batchers' ``statistics()`` as its last heartbeat said, by
         replica id (replicas without batched nodes left out)."""
         out: dict[str, dict[str, dict[str, Any]]] = {}

@@ -197,7 +197,7 @@ class Intake:
                 try:
                     msg = decode_msg(inner)
                     if type(msg) is Batch:
-                        if self._take_inner(rep, msg.ms, batch[i + 1 :], may_wait):
+                        if self._take_inner(rep, msg.messages, batch[i + 1 :], may_wait):
                             return True
                     else:
                         rest = self._handle(rep, msg, may_wait)

@@ -4,8 +4,8 @@ In the slow path every edge between two workers goes worker -> front -> worker: 
 worker sends its frame to the front, whose call core turns it into a run that the front sends
 to the downstream worker. For an edge whose outcome the plan already fixes, the upstream
 worker sends that run itself (a ``Forward``), at the same time as the frame, and tells the front
-which runs it forwarded (the frame's ``x``). The front's core still takes every decision: when
-the frame reaches it, the core makes the very activation it would have made anyway, and the
+which runs it forwarded (the frame's ``forwarded``). The front's core still takes every decision:
+when the frame reaches it, the core makes the very activation it would have made anyway, and the
 front *binds* it to the forwarded run instead of sending one (``RemoteRoles``). An edge
 ``N.f -> M`` qualifies (``hops``) when:
 
@@ -93,18 +93,18 @@ def parent_of(wid: str) -> int | str:
 
 
 class Route(NamedTuple):
-    """A fast-path route as a worker receives it (``Run.fw``): where frames of ``field`` go."""
+    """A fast-path route as a worker receives it (``Run.routes``): where frames of ``field`` go."""
 
     field: str
     node: str
     group: int
     address: str
-    rid: str
-    off: list[str] | None
-    th: int | None
-    conn: dict[str, str] | None
-    qk: bool
-    sub: list[Any] | None
+    replica: str
+    offload: list[str] | None
+    threshold: int | None
+    connectors: dict[str, str] | None
+    seq_from_frame: bool
+    subroutes: list[Any] | None
 
     def wire(self) -> list[Any]:
         return list(self)
@@ -117,10 +117,10 @@ _ROUTE_TYPES: tuple[tuple[type, ...], ...] = (
 
 
 def parse_routes(raw: Any) -> tuple[Route, ...]:
-    """The routes of a run's ``fw``; ValueError naming what is wrong (the worker then
+    """The routes of a run's ``routes``; ValueError naming what is wrong (the worker then
     forwards nothing for that run: the slow path stays correct)."""
     if type(raw) is not list:
-        raise ValueError(f"fw must be a list, not {type(raw).__name__}")
+        raise ValueError(f"routes must be a list, not {type(raw).__name__}")
     out = []
     for item in raw:
         if type(item) is not list or len(item) != len(_ROUTE_TYPES):

@@ -226,9 +226,9 @@ class RemoteRoles(Replies, Pins):
         """Where the front's own roles (``local``) sit: slot 0 of the deployment on this node."""
         return self.fleet.colocation(local)
 
-    def replica_batch_stats(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def replica_batch_statistics(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Each live replica's batchers' ``statistics()``, as its last heartbeat said."""
-        return self.fleet.batch_stats()
+        return self.fleet.batch_statistics()
 
     def readiness(self) -> list[str]:
         """Roles with no live replica to route to (sorted); [] when every role can serve."""
@@ -477,10 +477,10 @@ class RemoteRoles(Replies, Pins):
         pools and every worker it spawned (``kv._hosted``)."""
         return self._queries.pool_meta
 
-    async def data_plane_stats(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
-        """Each live replica's ``DataPlane.statistics()`` (``WorkerQueries.data_plane_stats``)."""
-        return await self._queries.data_plane_stats(timeout)
+    async def data_plane_statistics(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
+        """Each live replica's ``DataPlane.statistics()`` (``WorkerQueries``)."""
+        return await self._queries.data_plane_statistics(timeout)
 
-    async def worker_stats(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
-        """Each live replica's ``StatsReply`` as a dict (``WorkerQueries.worker_stats``)."""
-        return await self._queries.worker_stats(timeout)
+    async def worker_statistics(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Each live replica's ``StatsReply`` as a dict (``WorkerQueries.worker_statistics``)."""
+        return await self._queries.worker_statistics(timeout)

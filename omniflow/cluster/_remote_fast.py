@@ -157,11 +157,11 @@ class FastPath:
         """Drop a message of orphan ``wid``: refs among its outputs are let go."""
         frames: list[Any] = []
         match msg:
-            case Frame(f=f):
+            case Frame(frame=f):
                 frames = [f]
-            case Frames(fs=fs):
+            case Frames(frames=fs):
                 frames = fs
-            case Done(f=f):
+            case Done(frame=f):
                 if f is not None:
                     frames = [f]
                 orphans = self.orphans.get(c)
@@ -210,8 +210,8 @@ class FastPath:
     def expecting(
         self, rep: Replica, p: Pending, k: int, x: list[Any]
     ) -> dict[str, tuple[str, Plan, int, Replica]]:
-        """What frame ``k`` of ``p`` forwarded (its ``x``): node -> (wire id, route, the SeqId
-        index its activation must have, ``rep``), for ``submit`` to bind while the core
+        """What frame ``k`` of ``p`` forwarded (its ``forwarded``): node -> (wire id, route, the
+        SeqId index its activation must have, ``rep``), for ``submit`` to bind while the core
         handles it."""
         routes = p.routes
         a = p.key[1]

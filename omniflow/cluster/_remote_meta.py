@@ -1,6 +1,6 @@
 """The front's answers and questions to its workers outside calls: the Params Pools'
 metadata the front hosts (``kv._hosted``: one truth for the front's pools and every worker it
-spawned) and the ``stats`` requests (``worker_stats``, ``data_plane_stats``)."""
+spawned) and the ``stats`` requests (``worker_statistics``, ``data_plane_statistics``)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ class WorkerQueries:
     def on_call(self, rep: Replica, msg: MetaCall) -> None:
         """A worker's call on the hosted metadata: answered in order (each call is atomic, no
         await inside, and tasks start FIFO)."""
-        self._track(self.call(rep, msg.r, msg.op, msg.args))
+        self._track(self.call(rep, msg.request, msg.op, msg.args))
 
     def on_stats(self, msg: StatsReply) -> None:
-        fut = self._waiting.pop(msg.r, None)
+        fut = self._waiting.pop(msg.request, None)
         if fut is not None and not fut.done():
             fut.set_result(msg._asdict())
 
@@ -89,7 +89,7 @@ class WorkerQueries:
         for pool, node in sorted(nodes):
             await self.pool_meta.leave(pool, node)
 
-    async def data_plane_stats(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
+    async def data_plane_statistics(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
         """Each live replica's ``DataPlane.statistics()`` (plus its ``pid``), by replica id.
 
         A ``stats`` request rides the same connection as the replica's ``run``, ``release``
@@ -98,12 +98,12 @@ class WorkerQueries:
         """
         return {
             name: {**body["plane"], "pid": body["pid"]}
-            for name, body in (await self.worker_stats(timeout)).items()
+            for name, body in (await self.worker_statistics(timeout)).items()
         }
 
-    async def worker_stats(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+    async def worker_statistics(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """Each live replica's ``StatsReply`` as a dict (``pid``, ``plane``, ``wire``: what it
-        accepted and dropped, ``work``: what it holds), by replica id; as ``data_plane_stats``
+        accepted and dropped, ``work``: what it holds), by replica id; as ``data_plane_statistics``
         (which reads it), a replica that does not answer within ``timeout`` is left out."""
         loop = asyncio.get_running_loop()
         asked: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}

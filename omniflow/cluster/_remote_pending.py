@@ -69,7 +69,7 @@ class Pending:
         self.replicas = replicas
         #: The error to end it with (the first a replica reported, or a lost replica's).
         self.error: BaseException | None = None
-        #: The fast-path routes its run carried (index = route number in a frame's ``x``).
+        #: The fast-path routes its run carried (index = route number in a frame's ``forwarded``).
         self.routes = routes
         #: Frames it sent so far (a forwarded run's id names the frame by this index).
         self.k = 0

@@ -65,7 +65,7 @@ class Replies:
         if type(msg) is Dones:
             return self._on_dones(rep, msg, may_wait)
         elif type(msg) is Done:
-            c, a = msg.c, msg.a
+            c, a = msg.call_id, msg.aid
             if (
                 may_wait
                 and type(a) is str
@@ -99,7 +99,7 @@ class Replies:
         elif type(msg) is Claimed:
             self._fast.on_claimed(rep, msg)
         elif type(msg) is CallEnded:
-            self._ends.call_ended(rep, msg.c)
+            self._ends.call_ended(rep, msg.call_id)
         elif type(msg) is StatsReply:
             self._queries.on_stats(msg)
         elif type(msg) is MetaCall:
@@ -243,18 +243,18 @@ class Replies:
             return
         if rep in p.replicas:
             p.replicas.remove(rep)
-        if err is not None and err.et is not None and p.error is None:
-            if err.cancel:
+        if err is not None and err.error_type is not None and p.error is None:
+            if err.cancelled:
                 p.error = asyncio.CancelledError()
             else:
                 error = NodeError(
                     p.act.node,
-                    f"{err.et}: {err.em}",
+                    f"{err.error_type}: {err.error_message}",
                     call_id=p.call.call_id,
                     graph=p.call.graph,
-                    exc_type=err.et,
+                    exc_type=err.error_type,
                 )
-                error.traceback = err.tb
+                error.traceback = err.traceback
                 p.error = error
         if not p.replicas:
             del self._pending[key]

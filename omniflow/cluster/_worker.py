@@ -44,7 +44,7 @@ from omniflow.cluster._worker_held import envelopes
 from omniflow.cluster._worker_links import ForwardLinks
 from omniflow.cluster._worker_runs import Activations
 from omniflow.cluster._worker_start import record_start_error, worker_colocation
-from omniflow.data.kv._pool import opened_pool_stats
+from omniflow.data.kv._pool import opened_pool_statistics
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._setup import setup_role
@@ -324,7 +324,7 @@ class Worker(Activations, ForwardLinks, CallState):
                 try:
                     msg = decode_msg(inner)
                     if type(msg) is Batch:
-                        for m in msg.ms:
+                        for m in msg.messages:
                             self._handle_one(peer, decode_inner, m)
                     else:
                         if (
@@ -378,7 +378,7 @@ class Worker(Activations, ForwardLinks, CallState):
             interval = min(self._intervals.values(), default=self.heartbeat_interval)
             await asyncio.sleep(max(0.01, interval))
             # A worker with batched nodes says how its batchers do (the front's /metrics).
-            st: dict[str, Any] | None = self.batch_stats() if self._batchers else None
+            st: dict[str, Any] | None = self.batch_statistics() if self._batchers else None
             eb = self._edge_bytes
             if eb:  # cumulative; when it changed since the last beat (or batch stats go)
                 total = sum(eb.values())
@@ -396,16 +396,16 @@ class Worker(Activations, ForwardLinks, CallState):
                 self._start(peer, _checked(msg))
             case Forwards():
                 self._forwards(msg)
-            case Forward(ft=ft, rid=rid):
+            case Forward(front=ft, replica=rid):
                 if self._for_here(ft, rid):
                     self._start(self._front_peers[ft], _checked(_new(Run, msg[2:])))
-            case Cancel(c=c, a=a):
+            case Cancel(call_id=c, aid=a):
                 task = self._running.get((peer, c, a))
                 if task is not None:
                     task.cancel()
                 elif type(a) is str:  # a forwarded run whose forward has not come (yet)
                     self._cancel_early((peer, c, a))
-            case Claim(r=r, c=c, ws=ws):
+            case Claim(request=r, call_id=c, wire_ids=ws):
                 # Answered outside this batch: what the lost forwarder wrote to this worker
                 # before it went is read (and started) first (``_claimed``).
                 asyncio.get_running_loop().call_soon(self._claimed, peer, r, c, ws)
@@ -421,13 +421,13 @@ class Worker(Activations, ForwardLinks, CallState):
                     self._hosted.attach(lambda r, op, args: self._send(peer, MetaCall(r, op, args)))
                 if self._leaving:
                     self._send(peer, Bye())
-            case EndCall(c=c, ack=ack):
+            case EndCall(call_id=c, ack=ack):
                 self._end_call(peer, c, ack)
             case Release(refs=refs):
                 self._release(peer, refs)
-            case Pull(r=r, h=h):
+            case Pull(request=r, handle=h):
                 self._serve_pull(peer, r, h)
-            case StatsRequest(r=r):
+            case StatsRequest(request=r):
                 self._send(
                     peer,
                     StatsReply(
@@ -435,7 +435,7 @@ class Worker(Activations, ForwardLinks, CallState):
                         self.replica_id,
                         os.getpid(),
                         self.plane.statistics(),
-                        self.wire.snapshot(),
+                        self.wire.statistics(),
                         {
                             "running": len(self._running),
                             "calls": len(self._call_owner),
@@ -443,13 +443,13 @@ class Worker(Activations, ForwardLinks, CallState):
                             "links": len(self._links),
                             "link_queued": sum(len(link.out) for link in self._links.values()),
                         },
-                        opened_pool_stats(self._pools.values()) or None,
+                        opened_pool_statistics(self._pools.values()) or None,
                     ),
                 )
-            case SourceLost(addr=addr, pid=pid):
+            case SourceLost(address=addr, pid=pid):
                 self._puller.lost(addr, pid)
                 self._link_lost(addr)
-            case CloseSession(s=session):
+            case CloseSession(session=session):
                 self._close_session(session)
             case Stop():
                 if self.owner is not None and self._fronts.get(peer) == self.owner:
@@ -459,9 +459,9 @@ class Worker(Activations, ForwardLinks, CallState):
                         "foreign",
                         TransportError("stop from a front that did not spawn this worker"),
                     )
-            case MetaNotify(p=pool, s=session, keys=keys):
+            case MetaNotify(pool=pool, session=session, keys=keys):
                 self._meta_notify(peer, pool, session, keys)
-            case MetaReply(r=r, v=v, e=e):
+            case MetaReply(request=r, value=v, error=e):
                 self._meta_reply(peer, r, v, e)
             case Bye():
                 self._unacked.discard(peer)
@@ -474,9 +474,9 @@ class Worker(Activations, ForwardLinks, CallState):
 def _checked(run: Run) -> Run:
     """``run``, whose argument names must be strs (else ProtocolError: the message is
     dropped and counted as malformed)."""
-    for name in run.k:
+    for name in run.kwargs:
         if type(name) is not str:
-            raise ProtocolError("malformed run: 'k' must map argument names (str) to values",
+            raise ProtocolError("malformed run: 'kwargs' must map argument names (str) to values",
                                 "malformed")  # fmt: skip
     return run
 

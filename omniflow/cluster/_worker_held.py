@@ -43,13 +43,13 @@ class Fw:
     def __init__(self, routes: tuple[Route, ...], run: Run, ft: str) -> None:
         self.routes = routes
         #: The run's traceparent: its forwards carry it on (None: not traced).
-        self.tp = run.tp
-        self.c = run.c
-        self.a = run.a
-        self.n = run.n
-        self.s = run.s
-        self.gr = run.gr
-        self.q = run.q
+        self.tp = run.traceparent
+        self.c = run.call_id
+        self.a = run.aid
+        self.n = run.node
+        self.s = run.session
+        self.gr = run.graph
+        self.q = run.seq
         self.ft = ft
         self.k = 0
 
@@ -162,8 +162,9 @@ class FwdBatch:
         if len(self.as_) > 1:
             try:
                 return [encode_fields(
-                    Forwards, self.ft, r.rid, self.c, r.node, r.field, self.s, r.group, self.gr,
-                    self.as_, self.vs, self.qs, r.off, r.th, r.conn, r.sub, self.tp,
+                    Forwards, self.ft, r.replica, self.c, r.node, r.field, self.s, r.group, self.gr,
+                    self.as_, self.vs, self.qs, r.offload, r.threshold, r.connectors, r.subroutes,
+                    self.tp,
                 )]  # fmt: skip
             except Exception:  # (rare: find the ones that cannot be sent)
                 pass
@@ -171,8 +172,8 @@ class FwdBatch:
         for wid, value, q in zip(self.as_, self.vs, self.qs, strict=True):
             try:
                 out.append(encode_fields(
-                    Forward, self.ft, r.rid, self.c, wid, r.node, {r.field: value}, self.s,
-                    r.group, q, self.gr, r.off, r.th, r.conn, r.sub, self.tp,
+                    Forward, self.ft, r.replica, self.c, wid, r.node, {r.field: value}, self.s,
+                    r.group, q, self.gr, r.offload, r.threshold, r.connectors, r.subroutes, self.tp,
                 ))  # fmt: skip
             except Exception as exc:
                 logger.debug("forward %s not sent: %s", wid, exc)

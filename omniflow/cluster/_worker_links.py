@@ -130,7 +130,7 @@ class ForwardLinks(WorkerState):
             if not scalar and refs_in(value):
                 continue
             wid = wire_id(fw.a, k, r)
-            q = k if route.qk else fw.q
+            q = k if route.seq_from_frame else fw.q
             try:
                 self._link(route.address)  # (a link that cannot be made: not forwarded)
                 if scalar and not self._direct:  # with the alike forwards held before it
@@ -145,8 +145,9 @@ class ForwardLinks(WorkerState):
                     size = len(value) if type(value) in (bytes, str) else 8
                 else:  # encoded now: what the value is now (or a batch of one's run: it goes)
                     envelope = encode_fields(
-                        Forward, fw.ft, route.rid, fw.c, wid, route.node, {f: value}, fw.s,
-                        route.group, q, fw.gr, route.off, route.th, route.conn, route.sub, fw.tp,
+                        Forward, fw.ft, route.replica, fw.c, wid, route.node, {f: value}, fw.s,
+                        route.group, q, fw.gr, route.offload, route.threshold, route.connectors,
+                        route.subroutes, fw.tp,
                     )  # fmt: skip
                     size = sum(len(memoryview(b).cast("B")) for b in envelope)
                     if self._direct:  # (sent right after the run's end: ``_take``)

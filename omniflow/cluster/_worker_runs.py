@@ -26,11 +26,11 @@ class Activations(WorkerState):
 
     def _start(self, peer: bytes | None, run: Run) -> None:
         """Resolve data-plane refs among the inputs (waiting only for pulls), then run."""
-        if self._cancelled_early and (peer, run.c, run.a) in self._cancelled_early:
-            del self._cancelled_early[(peer, run.c, run.a)]
-            self._done(peer, run.c, run.a, asyncio.CancelledError())
+        if self._cancelled_early and (peer, run.call_id, run.aid) in self._cancelled_early:
+            del self._cancelled_early[(peer, run.call_id, run.aid)]
+            self._done(peer, run.call_id, run.aid, asyncio.CancelledError())
             return
-        kwargs = run.k
+        kwargs = run.kwargs
         for v in kwargs.values():  # (most runs: no value that can hold a ref, nothing to do)
             if type(v) is DataRef or type(v) is list or type(v) is tuple:
                 break
@@ -39,17 +39,19 @@ class Activations(WorkerState):
             return
         refs = [r for v in kwargs.values() for r in refs_in(v)]
         if refs:
-            conn = run.conn or {}
-            key = (peer, run.c, run.a)
+            conn = run.connectors or {}
+            key = (peer, run.call_id, run.aid)
             if any(self.plane.needs_pull(r, conn.get(r.key[0], "auto")) for r in refs):
                 task = asyncio.get_running_loop().create_task(self._pull_then_run(peer, run))
                 self._running[key] = task
                 task.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
-                run = run._replace(k={f: self._resolve_now(v, conn) for f, v in kwargs.items()})
+                run = run._replace(
+                    kwargs={f: self._resolve_now(v, conn) for f, v in kwargs.items()}
+                )
             except Exception as exc:
-                self._done(peer, run.c, run.a, exc)
+                self._done(peer, run.call_id, run.aid, exc)
                 return
         self._run(peer, run)
 
@@ -66,13 +68,15 @@ class Activations(WorkerState):
         return self.plane.read_now(value, conn.get(value.key[0], "auto"))
 
     async def _pull_then_run(self, peer: bytes | None, run: Run) -> None:
-        key = (peer, run.c, run.a)
-        conn = run.conn or {}
+        key = (peer, run.call_id, run.aid)
+        conn = run.connectors or {}
         try:
-            run = run._replace(k={f: await self._resolve(v, conn) for f, v in run.k.items()})
+            run = run._replace(
+                kwargs={f: await self._resolve(v, conn) for f, v in run.kwargs.items()}
+            )
         except BaseException as exc:
             self._running.pop(key, None)
-            self._done(peer, run.c, run.a, exc)
+            self._done(peer, run.call_id, run.aid, exc)
             return
         self._running.pop(key, None)
         self._run(peer, run)
@@ -153,7 +157,7 @@ class Activations(WorkerState):
         self._running[key] = entry
         batcher.add(entry)
 
-    def batch_stats(self) -> dict[str, dict[str, Any]]:
+    def batch_statistics(self) -> dict[str, dict[str, Any]]:
         """Per batched node hosted here, its batcher's ``statistics()``."""
         return {n: b.statistics() for n, b in sorted(self._batchers.items())}
 

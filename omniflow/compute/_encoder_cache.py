@@ -7,7 +7,7 @@
 ...     return len(payload)
 >>> cache.get_or_compute(b"image-bytes", encode), cache.get_or_compute(b"image-bytes", encode)
 (11, 11)
->>> len(calls), cache.stats()["hits"]
+>>> len(calls), cache.statistics()["hits"]
 (1, 1)
 
 The same image URL or base64 string coming back skips the encoder forward pass. Keys are BLAKE2b
@@ -143,5 +143,10 @@ class EncoderCache:
         self._data.clear()
 
     def stats(self) -> dict[str, int]:
+        """``statistics()`` (the name it had first)."""
+        return self.statistics()
+
+    def statistics(self) -> dict[str, int]:
+        """``{"size", "maxsize", "hits", "misses"}``."""
         return {"size": len(self._data), "maxsize": self.maxsize, "hits": self.hits,
                 "misses": self.misses}  # fmt: skip

@@ -106,7 +106,7 @@ class PullClient:
                 self._opener.stats.drop(exc.reason)
                 continue
             if type(msg) is Batch:  # small answers the producer had ready together
-                for m in msg.ms:
+                for m in msg.messages:
                     try:
                         self._answer(decode_inner(m))
                     except ProtocolError as exc:
@@ -117,11 +117,11 @@ class PullClient:
     def _answer(self, msg: Any) -> None:
         """A producer's answer to one pull."""
         match msg:
-            case Pulled(r=r, data=data) if isinstance(data, bytes | memoryview):
+            case Pulled(request=r, data=data) if isinstance(data, bytes | memoryview):
                 fut = self._waiting.get(r)
                 if fut is not None and not fut.done():
                     fut.set_result(data)
-            case PullFailed(r=r, error=error):
+            case PullFailed(request=r, error=error):
                 fut = self._waiting.get(r)
                 if fut is not None and not fut.done():
                     fut.set_exception(DataError(f"pull failed: {error}"))

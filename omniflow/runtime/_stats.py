@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from omniflow.data._plane import STATISTICS_KEYS, DataPlane
-from omniflow.data.kv._pool import opened_pool_stats
+from omniflow.data.kv._pool import opened_pool_statistics
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._call import Call
 from omniflow.runtime._executor import Remote
@@ -70,7 +70,7 @@ class RuntimeStatistics:
         if mine:
             out["<front>"] = mine
         if self.remote is not None:
-            out.update(self.remote.replica_batch_stats())
+            out.update(self.remote.replica_batch_statistics())
         return out
 
     def edge_bytes(self) -> dict[tuple[str, str, str, str], int]:
@@ -97,7 +97,7 @@ class RuntimeStatistics:
         ``restarts`` the replicas respawned per role; ``live_replicas`` per role.
         """
         if self.remote is None:
-            return {**WireStats().snapshot(), "forged_records": 0, "restarts": {},
+            return {**WireStats().statistics(), "forged_records": 0, "restarts": {},
                     "live_replicas": {}}  # fmt: skip
         return self.remote.wire_statistics()
 
@@ -108,11 +108,11 @@ class RuntimeStatistics:
         ``bytes_moved``, ``l1_segments``, ``foreign_segments``). A replica that does not answer
         within ``timeout`` is left out."""
         out: dict[str, dict[str, Any]] = {}
-        mine = opened_pool_stats(self._pools.values())
+        mine = opened_pool_statistics(self._pools.values())
         if mine:
             out["<front>"] = mine
         if self.remote is not None:
-            for name, body in sorted((await self.remote.worker_stats(timeout)).items()):
+            for name, body in sorted((await self.remote.worker_statistics(timeout)).items()):
                 if body.get("pools"):
                     out[name] = body["pools"]
         return out
@@ -136,5 +136,5 @@ class RuntimeStatistics:
         """
         out = {"<front>": self.data_plane_stats()}
         if self.remote is not None:
-            out.update(await self.remote.data_plane_stats())
+            out.update(await self.remote.data_plane_statistics())
         return out

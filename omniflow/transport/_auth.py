@@ -176,7 +176,7 @@ class WireStats:
                 exc or "not authentic",
             )
 
-    def snapshot(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int]:
         """``{"accepted": n, "dropped_bad_mac": n, ...}``."""
         return {"accepted": self.accepted, **{f"dropped_{k}": v for k, v in self.dropped.items()}}
 

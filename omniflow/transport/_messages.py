@@ -2,59 +2,71 @@
 
     front -> worker                            worker -> front
     Hello  (front, interval)                   Ready  (replica, roles, pid)
-    Run    (c, a, n, k, s, g, q, gr,           Frame  (c, a, f, x)         (any number)
-            off, th, conn, fw, tp)             Frames (c, a, fs, xs)       (several, in order)
-    Cancel (c, a)                              Done   (c, a, f, et, em, cancel, tb, x)
-                                               Dones  (cs, as_, fs, xs)    (good ends, together)
-    Release (refs)   EndCall (c, ack)          Heartbeat (st)              (every interval)
-                                               CallEnded (c)  (EndCall's ack: released)
-    SourceLost (addr, pid)                     StatsReply (r, replica, pid, plane, wire, work,
-                                                           pools)
-    StatsRequest (r)   CloseSession (s)
+    Run    (call_id, aid, node, kwargs,        Frame  (call_id, aid, frame, forwarded)
+            session, group, seq, graph,                                     (any number)
+            offload, threshold, connectors,    Frames (call_id, aid, frames, forwarded)
+            routes, traceparent)                                       (several, in order)
+    Cancel (call_id, aid)                      Done   (call_id, aid, frame, error_type,
+                                                       error_message, cancelled, traceback,
+                                                       forwarded)
+                                               Dones  (call_ids, aids, frames, forwarded)
+                                                                      (good ends, together)
+    Release (refs)                             Heartbeat (batching)       (every interval)
+    EndCall (call_id, ack)                     CallEnded (call_id)  (EndCall's ack: released)
+    SourceLost (address, pid)                  StatsReply (request, replica, pid, plane, wire,
+                                                           work, pools)
+    StatsRequest (request)   CloseSession (session)
     Stop ()                                    Bye ()  (leaving; repeated while it drains)
-    Bye ()     (answer to the worker's bye)        MetaCall (r, op, args)     (front-hosted
-    MetaReply (r, v, e)                                                   pool metadata)
-    MetaNotify (p, s, keys)  (pages published in a chain the worker's pool subscribed to)
-    Claim (r, c, ws)                           Claimed (r, c, missing)
+    Bye ()     (answer to the worker's bye)    MetaCall (request, op, args)  (front-hosted
+    MetaReply (request, value, error)                                      pool metadata)
+    MetaNotify (pool, session, keys)  (pages published in a chain the worker's pool follows)
+    Claim (request, call_id, wire_ids)         Claimed (request, call_id, missing)
       (forwarded runs whose forwarder was lost: the ones not here never run here)
 
     consumer worker -> producer worker (the zmq connector, on the producer's endpoint)
-    Pull (r, h)                                Pulled (r, data)  or  PullFailed (r, error)
+    Pull (request, handle)                     Pulled (request, data)
+                                               or PullFailed (request, error)
 
     upstream worker -> downstream worker (the fast path: no answer; results go to the front)
-    Forward (ft, rid, c, a, n, k, s, g, q, gr, off, th, conn, fw, tp)
-    Forwards (ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw, tp)   (several)
+    Forward  (front, replica, call_id, aid, node, kwargs, session, group, seq, graph,
+              offload, threshold, connectors, routes, traceparent)
+    Forwards (front, replica, call_id, node, field, session, group, graph, aids, values, seqs,
+              offload, threshold, connectors, routes, traceparent)                (several)
 
     either way
-    Batch (ms)   several single-frame messages to one peer, sealed once (``batch``)
+    Batch (messages)   several single-frame messages to one peer, sealed once (``batch``)
 
-``c`` call id, ``a`` activation id, ``n`` node, ``k`` keyword arguments, ``s`` session,
-``g`` OR group, ``q`` SeqId index, ``gr`` graph; ``off`` outputs to put in the worker's pool,
-``th`` the front's offload threshold (None: the default), ``conn`` source node -> connector.
-``fw`` the run's fast-path routes: one ``[field, node, group, address, replica id, off, th,
-conn, q from the frame index, sub-routes]`` per downstream node the worker may start itself
-(``cluster/_forward.py``). ``tp`` the W3C ``traceparent`` of the activation's span while the
-front traces (None: not traced, and left off the wire); a forward carries its upstream run's.
-A frame's ``x`` lists ``[route index, wire id]`` of the runs its
-worker forwarded for it (``xs``: one such list or None per frame of ``Frames``). ``a`` is the
-front's activation id (an int) or, for a forwarded run, its wire id (a str, ``"<upstream wire
-id>.<frame index>.<route index>"``). A ``Forward`` is a ``Run`` one worker sends another on
-behalf of front ``ft`` to replica ``rid``. ``Forwards`` is forwards one worker had for one
-link at once that share everything but their wire id, value and SeqId index (same front,
-replica, call, node, field, session, group, graph and routes), as flat lists of one length:
-record ``i`` is ``Forward(ft, rid, c, as_[i], n, {f: vs[i]}, s, g, qs[i], gr, off, th, conn,
-fw)``; the receiver checks each record's types and drops a bad one alone.
-A ``Done`` carries the coroutine's returned frame ``f`` (None: none; the front applies it
-first) and, for a failure, the exception's type name ``et``, message ``em``, whether it was a
-cancellation, and the formatted traceback ``tb``. ``Dones`` is the good ends (no error) a
-worker had for one front at once, as flat lists of the same length: record ``i`` is
-``Done(cs[i], as_[i], fs[i], x=xs[i])``. It is decoded in one go; the front checks each
-record's types and drops a bad one alone.
-An ``EndCall`` with ``ack`` True is answered by ``CallEnded(c)`` once what the call left in the
-worker is released, its Params Pool pages included (the front's end of a call waits for it
-when the runtime has pools).
-A ``Claim`` asks a worker which of the forwarded runs ``ws`` (wire ids) of call ``c`` it holds,
-after their forwarder was lost: the ``Claimed`` answer lists those ``missing`` (neither
+The names cost nothing on the wire: a message travels as a msgpack array of its fields in
+declaration order (``_protocol``), so renaming a field never changes a byte and reordering one
+changes the protocol (tests/transport/test_wire_golden.py pins each kind's bytes).
+
+A run's ``aid`` is the front's activation id (an int) or, for a forwarded run, its wire id (a
+str, ``"<upstream wire id>.<frame index>.<route index>"``); ``group`` its OR group, ``seq`` its
+SeqId index; ``offload`` the outputs to put in the worker's pool, ``threshold`` the front's
+offload threshold (None: the default), ``connectors`` source node -> connector. ``routes`` are
+the run's fast-path routes: one ``Route`` (``cluster/_forward.py``: ``[field, node, group,
+address, replica, offload, threshold, connectors, seq_from_frame, subroutes]``) per downstream
+node the worker may start itself. ``traceparent`` is the W3C ``traceparent`` of the
+activation's span while the front traces (None: not traced, and left off the wire); a forward
+carries its upstream run's. A frame's ``forwarded`` lists ``[route index, wire id]`` of the
+runs its worker forwarded for it (in ``Frames``: one such list or None per frame). A
+``Forward`` is a ``Run`` one worker sends another on behalf of ``front`` to ``replica``.
+``Forwards`` is forwards one worker had for one link at once that share everything but their
+wire id, value and SeqId index (same front, replica, call, node, field, session, group, graph
+and routes), as flat lists of one length: record ``i`` is ``Forward(front, replica, call_id,
+aids[i], node, {field: values[i]}, session, group, seqs[i], graph, offload, threshold,
+connectors, routes)``; the receiver checks each record's types and drops a bad one alone.
+A ``Done`` carries the coroutine's returned ``frame`` (None: none; the front applies it
+first) and, for a failure, the exception's type name ``error_type``, its ``error_message``,
+whether it was a cancellation, and the formatted ``traceback``. ``Dones`` is the good ends (no
+error) a worker had for one front at once, as flat lists of the same length: record ``i`` is
+``Done(call_ids[i], aids[i], frames[i], forwarded=forwarded[i])``. It is decoded in one go;
+the front checks each record's types and drops a bad one alone.
+An ``EndCall`` with ``ack`` True is answered by ``CallEnded(call_id)`` once what the call left
+in the worker is released, its Params Pool pages included (the front's end of a call waits for
+it when the runtime has pools).
+A ``Claim`` asks a worker which of the forwarded runs ``wire_ids`` of call ``call_id`` it
+holds, after their forwarder was lost: the ``Claimed`` answer lists those ``missing`` (neither
 running nor pulling their inputs there), and each of them, should its forward still come,
 ends at once as cancelled without running.
 
@@ -108,7 +120,7 @@ class Batch(NamedTuple):
     """Messages to one peer that were ready together: each an encoded single-frame envelope,
     all under the batch's one MAC (no batch inside a batch)."""
 
-    ms: list[bytes]
+    messages: list[bytes]
 
 
 class Hello(NamedTuple):
@@ -123,118 +135,119 @@ class Ready(NamedTuple):
 
 
 class Run(NamedTuple):
-    c: str
-    a: int | str
-    n: str
-    k: dict[str, Any]
-    s: str | None
-    g: int
-    q: int
-    gr: str
-    off: list[str] | None = None
-    th: int | None = None
-    conn: dict[str, str] | None = None
-    fw: list[Any] | None = None
-    tp: str | None = None
+    call_id: str
+    aid: int | str
+    node: str
+    kwargs: dict[str, Any]
+    session: str | None
+    group: int
+    seq: int
+    graph: str
+    offload: list[str] | None = None
+    threshold: int | None = None
+    connectors: dict[str, str] | None = None
+    routes: list[Any] | None = None
+    traceparent: str | None = None
 
 
 class Forward(NamedTuple):
-    """A run one worker starts on another for front ``ft``, to replica ``rid`` only."""
+    """A run one worker starts on another for ``front``, to ``replica`` only."""
 
-    ft: str
-    rid: str
-    c: str
-    a: str
-    n: str
-    k: dict[str, Any]
-    s: str | None
-    g: int
-    q: int
-    gr: str
-    off: list[str] | None = None
-    th: int | None = None
-    conn: dict[str, str] | None = None
-    fw: list[Any] | None = None
-    tp: str | None = None
+    front: str
+    replica: str
+    call_id: str
+    aid: str
+    node: str
+    kwargs: dict[str, Any]
+    session: str | None
+    group: int
+    seq: int
+    graph: str
+    offload: list[str] | None = None
+    threshold: int | None = None
+    connectors: dict[str, str] | None = None
+    routes: list[Any] | None = None
+    traceparent: str | None = None
 
 
 class Forwards(NamedTuple):
-    """Forwards for one front, replica, call, node and field (``f``) that differ only in their
-    wire id, value and SeqId index: record ``i`` is ``Forward(ft, rid, c, as_[i], n,
-    {f: vs[i]}, s, g, qs[i], gr, off, th, conn, fw)`` (the lists have one length)."""
+    """Forwards for one front, replica, call, node and ``field`` that differ only in their
+    wire id, value and SeqId index: record ``i`` is ``Forward(front, replica, call_id,
+    aids[i], node, {field: values[i]}, session, group, seqs[i], graph, offload, threshold,
+    connectors, routes)`` (the lists have one length)."""
 
-    ft: str
-    rid: str
-    c: str
-    n: str
-    f: str
-    s: str | None
-    g: int
-    gr: str
-    as_: list[str]
-    vs: list[Any]
-    qs: list[int]
-    off: list[str] | None = None
-    th: int | None = None
-    conn: dict[str, str] | None = None
-    fw: list[Any] | None = None
-    tp: str | None = None
+    front: str
+    replica: str
+    call_id: str
+    node: str
+    field: str
+    session: str | None
+    group: int
+    graph: str
+    aids: list[str]
+    values: list[Any]
+    seqs: list[int]
+    offload: list[str] | None = None
+    threshold: int | None = None
+    connectors: dict[str, str] | None = None
+    routes: list[Any] | None = None
+    traceparent: str | None = None
 
 
 class Cancel(NamedTuple):
-    c: str
-    a: int | str
+    call_id: str
+    aid: int | str
 
 
 class Frame(NamedTuple):
-    c: str
-    a: int | str
-    f: Any
-    x: list[Any] | None = None
+    call_id: str
+    aid: int | str
+    frame: Any
+    forwarded: list[Any] | None = None
 
 
 class Frames(NamedTuple):
-    c: str
-    a: int | str
-    fs: list[Any]
-    xs: list[Any] | None = None
+    call_id: str
+    aid: int | str
+    frames: list[Any]
+    forwarded: list[Any] | None = None
 
 
 class Done(NamedTuple):
-    c: str
-    a: int | str
-    f: Any = None
-    et: str | None = None
-    em: str | None = None
-    cancel: bool = False
-    tb: str | None = None
-    x: list[Any] | None = None
+    call_id: str
+    aid: int | str
+    frame: Any = None
+    error_type: str | None = None
+    error_message: str | None = None
+    cancelled: bool = False
+    traceback: str | None = None
+    forwarded: list[Any] | None = None
 
 
 class Dones(NamedTuple):
-    """Activations that ended without an error: record ``i`` is ``Done(cs[i], as_[i], fs[i],
-    x=xs[i])`` (the lists have one length; ``as`` is a keyword, hence ``as_``)."""
+    """Activations that ended without an error: record ``i`` is ``Done(call_ids[i], aids[i],
+    frames[i], forwarded=forwarded[i])`` (the lists have one length)."""
 
-    cs: list[str]
-    as_: list[int | str]
-    fs: list[Any]
-    xs: list[list[Any] | None]
+    call_ids: list[str]
+    aids: list[int | str]
+    frames: list[Any]
+    forwarded: list[list[Any] | None]
 
 
 class Claim(NamedTuple):
-    """Which of the forwarded runs ``ws`` of call ``c`` does the worker hold (request ``r``)?"""
+    """Which of the forwarded runs ``wire_ids`` of call ``call_id`` does the worker hold?"""
 
-    r: int
-    c: str
-    ws: list[str]
+    request: int
+    call_id: str
+    wire_ids: list[str]
 
 
 class Claimed(NamedTuple):
-    """The answer to ``Claim`` ``r``: the runs it asked about that the worker does not hold
+    """The answer to ``Claim`` ``request``: the runs it asked about that the worker does not hold
     (they will never run there)."""
 
-    r: int
-    c: str
+    request: int
+    call_id: str
     missing: list[str]
 
 
@@ -243,28 +256,29 @@ class Release(NamedTuple):
 
 
 class EndCall(NamedTuple):
-    c: str
-    #: Answer with ``CallEnded(c)`` once the call's pages here are released.
+    call_id: str
+    #: Answer with ``CallEnded(call_id)`` once the call's pages here are released.
     ack: bool = False
 
 
 class CallEnded(NamedTuple):
-    """What call ``c`` left in the worker is released (the answer to ``EndCall(c, ack=True)``)."""
+    """What call ``call_id`` left in the worker is released (the answer to
+    ``EndCall(call_id, ack=True)``)."""
 
-    c: str
+    call_id: str
 
 
 class SourceLost(NamedTuple):
-    addr: str
+    address: str
     pid: int
 
 
 class StatsRequest(NamedTuple):
-    r: int
+    request: int
 
 
 class StatsReply(NamedTuple):
-    r: int
+    request: int
     replica: str
     pid: int
     plane: dict[str, int]
@@ -278,7 +292,7 @@ class StatsReply(NamedTuple):
 
 
 class CloseSession(NamedTuple):
-    s: str
+    session: str
 
 
 class Stop(NamedTuple):
@@ -291,45 +305,45 @@ class Bye(NamedTuple):
 
 class Heartbeat(NamedTuple):
     #: The worker's batchers' ``statistics()`` by node, when it runs batched nodes (None: none).
-    st: dict[str, Any] | None = None
+    batching: dict[str, Any] | None = None
 
 
 class Pull(NamedTuple):
-    r: int
-    h: Any
+    request: int
+    handle: Any
 
 
 class Pulled(NamedTuple):
-    r: int
+    request: int
     data: Any
 
 
 class PullFailed(NamedTuple):
-    r: int
+    request: int
     error: str
 
 
 class MetaCall(NamedTuple):
     """A worker's call of the Params Pools' metadata hosted by its front (``kv._hosted``)."""
 
-    r: int
+    request: int
     op: str
     args: list[Any]
 
 
 class MetaReply(NamedTuple):
-    """The front's answer to ``MetaCall`` ``r``: its value, or the error ``e``."""
+    """The front's answer to ``MetaCall`` ``request``: its ``value``, or the ``error``."""
 
-    r: int
-    v: Any
-    e: str | None = None
+    request: int
+    value: Any
+    error: str | None = None
 
 
 class MetaNotify(NamedTuple):
-    """Pages ``keys`` were published in session ``s``'s chain of pool ``p`` (one batch)."""
+    """Pages ``keys`` were published in ``session``'s chain of ``pool`` (one batch)."""
 
-    p: str
-    s: str | None
+    pool: str
+    session: str | None
     keys: list[str]
 
 

@@ -104,8 +104,8 @@ class ProtocolError(TransportError):
         self.reason = reason
 
 
-#: The fields of a run (a forward is one, after whom it is for: ``ft``, ``rid``; its ``a`` is
-#: always a forwarded wire id, a str).
+#: The fields of a run (a forward is one, after whom it is for: ``front``, ``replica``; its
+#: ``aid`` is always a forwarded wire id, a str).
 _RUN: tuple[tuple[type, ...], ...] = (
     (str,),
     (int, str),
@@ -121,7 +121,8 @@ _RUN: tuple[tuple[type, ...], ...] = (
     (list, _N),
     (str, _N),
 )
-#: The fields of a ``Forwards``: ft, rid, c, n, f, s, g, gr, the three lists, then as a run's.
+#: The fields of a ``Forwards``: front, replica, call_id, node, field, session, group, graph,
+#: the three lists (aids, values, seqs), then as a run's.
 _FORWARDS: tuple[tuple[type, ...], ...] = (
     (str,), (str,), (str,), (str,), (str,), (str, _N), (int,), (str,), (list,), (list,), (list,),
     *_RUN[8:],

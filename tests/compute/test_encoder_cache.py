@@ -25,7 +25,8 @@ def test_lru_keeps_the_most_recent() -> None:
     # b"a" was used again before "c" came, so "b" was the one dropped, then encoded again
     assert calls == [b"a", "b", "c", "b"]
     assert len(cache) == 2 and b"a" not in cache and "b" in cache
-    assert cache.stats() == {"size": 2, "maxsize": 2, "hits": 1, "misses": 4}
+    assert cache.statistics() == {"size": 2, "maxsize": 2, "hits": 1, "misses": 4}
+    assert cache.stats() == cache.statistics()  # (its first name)
 
 
 def test_keys_depend_on_content_and_kind() -> None:

@@ -32,17 +32,17 @@ def hosted_client(front: MemoryMetadata) -> HostedMetadata:
         call = _wire(MetaCall(r, op, args), Sealer(key), Opener(key))
         assert type(call) is MetaCall
         try:
-            reply = MetaReply(call.r, await serve(front, call.op, call.args))
+            reply = MetaReply(call.request, await serve(front, call.op, call.args))
         except DataError as exc:
-            reply = MetaReply(call.r, None, str(exc))
-        if call.op == "register" and reply.e is None:  # as RemoteRoles._meta_call does
+            reply = MetaReply(call.request, None, str(exc))
+        if call.op == "register" and reply.error is None:  # as RemoteRoles._meta_call does
             front.listen(call.args[0], call.args[1], notify)
         back = _wire(reply, Sealer(key), Opener(key))
-        client.reply(back.r, back.v, back.e)
+        client.reply(back.request, back.value, back.error)
 
     def notify(pool: str, session: str | None, keys: list[str]) -> None:
         msg = _wire(MetaNotify(pool, session, keys), Sealer(key), Opener(key))
-        client.notify(msg.p, msg.s, msg.keys)
+        client.notify(msg.pool, msg.session, msg.keys)
 
     def send(r: int, op: str, args: list[Any]) -> None:
         task = asyncio.get_running_loop().create_task(front_side(r, op, args))

@@ -128,7 +128,8 @@ async def test_demoted_to_l3_and_read_back_bit_identical(make: Any, tmp_path: An
         pool.set_fill(slot, 4 if i < 5 else 3)  # the last page is partial: kept whole
         await pool.publish("s", [key], [slot])
         await pool.release("w")
-    assert pool.stats()["pages"] == {"l1": 2, "l2": 2, "l3": 2}
+    assert pool.statistics()["pages"] == {"l1": 2, "l2": 2, "l3": 2}
+    assert pool.stats() == pool.statistics()  # (the contract's name)
     assert len(os.listdir(tmp_path)) == len(LAYOUT.coords())  # one file per (sub, slice)
     first = pool._core.lookup(keys[0])
     assert first is not None and first.tier == L3

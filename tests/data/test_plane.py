@@ -92,7 +92,7 @@ def test_offload_replaces_only_big_values_of_the_listed_fields(plane: DataPlane)
 def test_refs_survive_the_worker_protocol(plane: DataPlane) -> None:
     out = plane.offload("n.run", "c1", 1, 0, {"a": np.ones(KB)}, ["a"])
     msg = decode_msg(encode_msg(Frame("c1", 1, out)))
-    assert isinstance(msg, Frame) and msg.f["a"] == out["a"]
+    assert isinstance(msg, Frame) and msg.frame["a"] == out["a"]
     plane.cleanup("c1")
 
 
@@ -361,7 +361,11 @@ def test_media_refs_survive_the_worker_protocol(plane: DataPlane) -> None:
     clip = of.Audio(np.arange(8, dtype=np.float32) / 8, sample_rate=16000)
     ref = plane.offload("n.run", "c1", 1, 0, {"a": clip}, ["a"])["a"]
     msg = decode_msg(encode_msg(Frame("c1", 1, {"a": ref})))
-    assert isinstance(msg, Frame) and msg.f["a"] == ref and msg.f["a"].media == ("audio", 16000)
+    assert (
+        isinstance(msg, Frame)
+        and msg.frame["a"] == ref
+        and msg.frame["a"].media == ("audio", 16000)
+    )
     plane.cleanup("c1")
 
 

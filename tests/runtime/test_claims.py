@@ -92,8 +92,8 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
         asked = {}
         for t in range(1, 4):
             for claim in _claims(reps[t]):
-                assert (t, claim.c) not in asked
-                asked[(t, claim.c)] = (claim.r, sorted(claim.ws))
+                assert (t, claim.call_id) not in asked
+                asked[(t, claim.call_id)] = (claim.request, sorted(claim.wire_ids))
         assert {k: ws for k, (_, ws) in asked.items()} == expect
         failed = set()
         for (t, c), (r, ws) in asked.items():
@@ -128,7 +128,7 @@ def test_a_claim_for_a_replica_that_is_then_lost_is_forgotten() -> None:
         _bind(rr, "c", "1.0.0", r1, r0)
         rr._on_lost(r0, "killed")
         [claim] = _claims(r1)
-        assert list(rr._fast.claims) == [claim.r]
+        assert list(rr._fast.claims) == [claim.request]
         r1.life.apply(ReplicaEvent.LOST)
         rr._on_lost(r1, "killed")
         assert rr._fast.claims == {}

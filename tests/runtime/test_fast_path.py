@@ -178,7 +178,7 @@ async def calls_held(rt: of.Runtime) -> dict[str, int]:
     assert rt.remote is not None
     held: dict[str, int] = {}
     for _ in range(300):
-        held = {n: w["work"]["calls"] for n, w in (await rt.remote.worker_stats()).items()}
+        held = {n: w["work"]["calls"] for n, w in (await rt.remote.worker_statistics()).items()}
         if not any(held.values()):
             break
         await asyncio.sleep(0.1)

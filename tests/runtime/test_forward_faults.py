@@ -70,7 +70,7 @@ async def settled(rt: of.Runtime) -> None:
 
     async def workers_idle() -> bool:
         workers.clear()
-        workers.update(await rt.remote.worker_stats())  # type: ignore[union-attr]
+        workers.update(await rt.remote.worker_statistics())  # type: ignore[union-attr]
         return len(workers) == replicas(rt) and all(
             (w["work"]["running"], w["work"]["forwarding"], w["work"]["link_queued"]) == (0, 0, 0)
             for w in workers.values()

@@ -65,17 +65,17 @@ async def _run(
 
     def on_message(rep: Replica, msg: Message, may_wait: bool) -> Message | None:
         assert type(msg) is Frame
-        dep = msg.f
+        dep = msg.frame
         if dep is not None and dep not in seen:
             if may_wait:
                 return msg
-            early[msg.a] = 1
-        assert msg.a not in seen, f"{msg.a} handled twice"
-        seen.add(msg.a)
-        handled.append(msg.a)
+            early[msg.aid] = 1
+        assert msg.aid not in seen, f"{msg.aid} handled twice"
+        seen.add(msg.aid)
+        handled.append(msg.aid)
         if ticks is not None:
-            ticks[msg.a] = tick[0]
-            if msg.a.startswith("r0."):
+            ticks[msg.aid] = tick[0]
+            if msg.aid.startswith("r0."):
                 fleet.intake.known = True
         return None
 
@@ -96,9 +96,9 @@ async def _run(
             msgs = _messages(name, sent[r] + n, deps[r])[sent[r] :]
             sent[r] += n
             for m in msgs:
-                delivered_in[m.a] = t
+                delivered_in[m.aid] = t
                 if ticks is not None:
-                    ticks["+" + m.a] = tick[0]
+                    ticks["+" + m.aid] = tick[0]
             envelopes = [encode_msg(m) for m in msgs]
             packets = batch(envelopes) if batched else envelopes
             fleet.intake.receive(reps[r], [(None, sealers[r].seal(p)) for p in packets])

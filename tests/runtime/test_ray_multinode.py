@@ -70,7 +70,7 @@ async def test_a_64mb_array_crosses_nodes_bit_exact(cluster: Any) -> None:
         assert far_out[:2] == near_out[:2] == (want, 64 * 2**20)
         stats = {
             s["pid"]: s
-            for s in (await rt.remote.data_plane_stats()).values()  # type: ignore[union-attr]
+            for s in (await rt.remote.data_plane_statistics()).values()  # type: ignore[union-attr]
         }
         far, near, src = (stats[where[r]["pid"]] for r in ("mn_far", "mn_near", "mn_src"))
         # Node B pulled the block over ZMQ; node A's consumer mapped it from shared memory.

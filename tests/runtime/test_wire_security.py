@@ -221,7 +221,7 @@ async def test_a_worker_drops_forged_unsigned_cut_and_replayed_messages(
                             inner = opener.open(frames)
                             assert inner is not None
                             msg = decode_msg(inner)
-                            if isinstance(msg, StatsReply) and msg.r == r:
+                            if isinstance(msg, StatsReply) and msg.request == r:
                                 return msg.wire
 
                 before = await stats(2)
@@ -297,8 +297,9 @@ class FakeReplica:
                     self.runs += 1
                     # Its answer rides among bad records, each dropped alone: a foreign one,
                     # a malformed aid, a malformed forward note.
-                    good = {"y": msg.k["x"], "pid": -1}
-                    ends = Dones(["c-nope", msg.c, msg.c, msg.c], [9, 2.5, msg.a, msg.a],
+                    good = {"y": msg.kwargs["x"], "pid": -1}
+                    c, a = msg.call_id, msg.aid
+                    ends = Dones(["c-nope", c, c, c], [9, 2.5, a, a],
                                  [None, None, None, good], [None, None, 5, None])  # fmt: skip
                     await self.send(who, ends)
             now = asyncio.get_running_loop().time()

@@ -28,7 +28,12 @@ def test_a_forwarded_run_cancelled_before_it_came_ends_cancelled_without_running
         w._start(A, run("3.0.0"))
         (msg,) = [m for _, m in sent(w)]
         assert type(msg) is Done
-        assert (msg.c, msg.a, msg.et, msg.cancel) == ("c", "3.0.0", "CancelledError", True)
+        assert (msg.call_id, msg.aid, msg.error_type, msg.cancelled) == (
+            "c",
+            "3.0.0",
+            "CancelledError",
+            True,
+        )
         assert w._running == {} and w._cancelled_early == {}
     finally:
         w.plane.close()
@@ -42,7 +47,7 @@ def test_the_early_cancel_is_the_senders_own_and_for_that_run_only() -> None:
         assert list(w._cancelled_early) == [(A, "c", "3.0.0")]
         w._start(B, run("3.0.0"))  # another front's run of that id is not the cancelled one
         w._start(A, run("3.0.1"))
-        started: list[Any] = [m for _, m in sent(w) if type(m) is Done and m.cancel]
+        started: list[Any] = [m for _, m in sent(w) if type(m) is Done and m.cancelled]
         assert started == []  # (both ran: they fail on the unknown node, none is cancelled)
         assert list(w._cancelled_early) == [(A, "c", "3.0.0")]
     finally:
@@ -69,9 +74,9 @@ def test_a_message_to_the_front_waits_behind_the_forwards_of_its_loop_turn() -> 
         assert w._out.empty()  # held: it leaves after the forwards
         w._held_links.clear()  # (the forwards went out)
         w._flush_held()
-        assert [(m.c, m.a, m.f) for _, m in sent(w)] == [("c", 1, {"y": 1})]
+        assert [(m.call_id, m.aid, m.frame) for _, m in sent(w)] == [("c", 1, {"y": 1})]
         w._done(A, "c", 2, None, {"y": 2})  # nothing held: at once
-        assert [(m.c, m.a) for _, m in sent(w)] == [("c", 2)]
+        assert [(m.call_id, m.aid) for _, m in sent(w)] == [("c", 2)]
     finally:
         w.plane.close()
 
@@ -111,16 +116,16 @@ async def test_a_claim_lists_the_runs_not_here_which_then_never_run() -> None:
         await asyncio.sleep(0)
         assert drains == [2]
         assert sent(w) == [(A, Claimed(7, "c", ["1.1.0", "1.2.0"]))]
-        assert w.wire.snapshot()["dropped_malformed"] == 1
+        assert w.wire.statistics()["dropped_malformed"] == 1
         w._start(A, Run("c", "1.1.0", "slow", {"x": 3}, None, 0, 0, "g"))  # late: never runs
         ((peer, done),) = sent(w)
-        assert peer == A and (done.a, done.cancel) == ("1.1.0", True)
+        assert peer == A and (done.aid, done.cancelled) == ("1.1.0", True)
         assert (A, "c", "1.1.0") not in w._running
         gate.set()
         for _ in range(5):
             await asyncio.sleep(0)
         assert sorted(ran) == [1, 2]
-        assert sorted((p, m.a) for p, m in sent(w) if type(m) is Done) == [
+        assert sorted((p, m.aid) for p, m in sent(w) if type(m) is Done) == [
             (A, "1.0.0"), (B, "1.2.0"),
         ]  # fmt: skip
     finally:

@@ -40,7 +40,7 @@ def sent(w: Worker) -> list[tuple[bytes | None, Any]]:
         peer, frames = w._out.get_nowait()
         msg = decode_msg(frames)
         if type(msg) is Batch:
-            out.extend((peer, decode_inner(m)) for m in msg.ms)
+            out.extend((peer, decode_inner(m)) for m in msg.messages)
         else:
             out.append((peer, msg))
     return out
@@ -51,9 +51,9 @@ def ends(msgs: list[tuple[bytes | None, Any]]) -> list[tuple[bytes | None, Any]]
     out: list[tuple[bytes | None, Any]] = []
     for peer, msg in msgs:
         if type(msg) is Dones:
-            assert len(msg.cs) > 1  # (one end goes as a done)
+            assert len(msg.call_ids) > 1  # (one end goes as a done)
             for c, a, f, x in zip(*msg, strict=True):
-                out.append((peer, Done(c, a, f, x=x)))
+                out.append((peer, Done(c, a, f, forwarded=x)))
         else:
             out.append((peer, msg))
     return out
@@ -94,7 +94,10 @@ def test_held_ends_leave_per_front_in_order_good_ones_together(
         msgs = sent(w)
         for peer in (A, B):
             got = [m for p, m in ends(msgs) if p == peer]
-            assert [(m.et, m.em) if type(m) is Done and m.et else m for m in got] == expected[peer]
+            assert [
+                (m.error_type, m.error_message) if type(m) is Done and m.error_type else m
+                for m in got
+            ] == expected[peer]
         # consecutive good ends to one front are one message
         for peer in (A, B):
             kinds = [type(m) for p, m in msgs if p == peer]
@@ -113,8 +116,8 @@ def test_more_than_max_batch_ends_take_more_than_one_dones() -> None:
         w._reading = False
         w._flush_held()
         msgs = sent(w)
-        assert [len(m.cs) if type(m) is Dones else 1 for _, m in msgs] == [MAX_BATCH, 3]
-        assert [m.a for _, m in ends(msgs)] == list(range(MAX_BATCH + 3))
+        assert [len(m.call_ids) if type(m) is Dones else 1 for _, m in msgs] == [MAX_BATCH, 3]
+        assert [m.aid for _, m in ends(msgs)] == list(range(MAX_BATCH + 3))
     finally:
         w.plane.close()
 
@@ -131,7 +134,12 @@ def test_a_frame_the_wire_cannot_carry_fails_its_activation_alone() -> None:
         got = [m for _, m in ends(sent(w))]
         assert got[0] == Done("c", 1, {"y": 1}) and got[2] == Done("c", 3, {"y": 3})
         failed = got[1]
-        assert (failed.c, failed.a, failed.f, failed.et) == ("c", 2, None, "_Unsendable")
-        assert "could not be sent to the front" in (failed.em or "")
+        assert (failed.call_id, failed.aid, failed.frame, failed.error_type) == (
+            "c",
+            2,
+            None,
+            "_Unsendable",
+        )
+        assert "could not be sent to the front" in (failed.error_message or "")
     finally:
         w.plane.close()

@@ -39,7 +39,7 @@ ROUTE2 = Route("y", "m2", 0, ADDR2, "m2-0", ["y"], 1000, {"n": "shm"}, True, [["
 def unbatched(frames: list[Any]) -> list[Any]:
     """The messages ``frames`` carries (a ``Batch`` unpacked)."""
     msg = decode_msg(frames)
-    return [decode_inner(m) for m in msg.ms] if type(msg) is Batch else [msg]
+    return [decode_inner(m) for m in msg.messages] if type(msg) is Batch else [msg]
 
 
 def forwarding(
@@ -62,7 +62,7 @@ def records(msgs: list[tuple[str, Any]]) -> list[tuple[str, Forward]]:
     out: list[tuple[str, Forward]] = []
     for address, msg in msgs:
         if type(msg) is Forwards:
-            assert len(msg.as_) > 1  # (one alone goes as a forward)
+            assert len(msg.aids) > 1  # (one alone goes as a forward)
             ft, rid, c, n, f, s, g, gr, as_, vs, qs, off, th, conn, fw, _tp = msg
             for a, v, q in zip(as_, vs, qs, strict=True):
                 out.append((address, Forward(ft, rid, c, a, n, {f: v}, s, g, q, gr, off, th,
@@ -108,9 +108,9 @@ def test_held_forwards_leave_per_link_in_order_alike_ones_together(
             running(w, peer, i, (route,), c)
             w._done(peer, c, i, None, {"y": value})
             expected[route.address].append(Forward(
-                w._fronts[peer], route.rid, c, f"{i}.0.0", route.node, {"y": value}, "sess",
-                route.group, 0 if route.qk else 7, "g", route.off, route.th, route.conn,
-                route.sub,
+                w._fronts[peer], route.replica, c, f"{i}.0.0", route.node, {"y": value}, "sess",
+                route.group, 0 if route.seq_from_frame else 7, "g", route.offload, route.threshold,
+                route.connectors, route.subroutes,
             ))  # fmt: skip
         w._reading = False
         w._flush_held()
@@ -123,8 +123,8 @@ def test_held_forwards_leave_per_link_in_order_alike_ones_together(
             tagged = [(i, m) for i, (ad, msg) in enumerate(out) if ad == address
                       for _, m in records([(ad, msg)])]  # fmt: skip
             for (i, m), (j, nxt) in itertools.pairwise(tagged):
-                alike = (m.ft, m.c) == (nxt.ft, nxt.c)
-                if alike and type(m.k["y"]) is not list and type(nxt.k["y"]) is not list:
+                alike = (m.front, m.call_id) == (nxt.front, nxt.call_id)
+                if alike and type(m.kwargs["y"]) is not list and type(nxt.kwargs["y"]) is not list:
                     assert i == j
     finally:
         w.plane.close()
@@ -140,8 +140,8 @@ def test_a_batch_of_scalar_forwards_to_one_link_is_one_message() -> None:
             w._done(A, "c", i, None, {"y": i})
         w._reading = False
         w._flush_held()
-        assert [(type(m), len(m.as_)) for _, m in out] == [(Forwards, MAX_BATCH), (Forwards, 3)]
-        assert [m.k["y"] for _, m in records(out)] == list(range(MAX_BATCH + 3))
+        assert [(type(m), len(m.aids)) for _, m in out] == [(Forwards, MAX_BATCH), (Forwards, 3)]
+        assert [m.kwargs["y"] for _, m in records(out)] == list(range(MAX_BATCH + 3))
     finally:
         w.plane.close()
 
@@ -157,10 +157,10 @@ def test_forwards_of_other_calls_or_a_list_value_break_the_run_in_place() -> Non
             w._done(A, c, i, None, {"y": value})
         w._reading = False
         w._flush_held()
-        assert [(type(m).__name__, m.c) for _, m in out] == [
+        assert [(type(m).__name__, m.call_id) for _, m in out] == [
             ("Forwards", "c"), ("Forward", "c"), ("Forwards", "c"), ("Forwards", "d"),
         ]  # fmt: skip
-        assert [m.k["y"] for _, m in records(out)] == [1, 2, [3], 4, 5, 6, 7]
+        assert [m.kwargs["y"] for _, m in records(out)] == [1, 2, [3], 4, 5, 6, 7]
     finally:
         w.plane.close()
 
@@ -172,7 +172,7 @@ def test_a_value_the_wire_cannot_carry_is_not_forwarded_the_others_are() -> None
     held.vs += ["\ud800", 3]  # (a lone surrogate: not UTF-8)
     held.qs += [0, 0]
     got = [decode_msg(frames) for frames in held.encoded()]
-    assert [(type(m), m.a, m.k) for m in got] == [(Forward, "1.0.0", {"y": 1}),
+    assert [(type(m), m.aid, m.kwargs) for m in got] == [(Forward, "1.0.0", {"y": 1}),
                                                   (Forward, "1.2.0", {"y": 3})]  # fmt: skip
 
 
@@ -210,13 +210,13 @@ def test_a_bad_record_is_dropped_alone_a_bad_message_whole() -> None:
         w.replica_id = "r-0"
         started = serving(w)
         w._handle(B, forwards(as_=["1.0.0", 5, "1.2.0"], vs=[1, 2, 3], qs=[0, 1, "x"]))
-        assert [run.a for _, run in started] == ["1.0.0"]
-        assert w.wire.snapshot()["dropped_malformed"] == 2
+        assert [run.aid for _, run in started] == ["1.0.0"]
+        assert w.wire.statistics()["dropped_malformed"] == 2
         w._handle(B, forwards(vs=[1]))  # lists of unlike lengths
-        assert w.wire.snapshot()["dropped_malformed"] == 3
+        assert w.wire.statistics()["dropped_malformed"] == 3
         w._handle(B, forwards(rid="another"))
         w._handle(B, forwards(ft="never-said-hello"))
-        assert w.wire.snapshot()["dropped_foreign"] == 2
+        assert w.wire.statistics()["dropped_foreign"] == 2
         assert len(started) == 1
     finally:
         w.plane.close()
@@ -230,14 +230,14 @@ def test_a_record_whose_start_fails_stops_none_of_the_others() -> None:
         take = w._start
 
         def start(peer: bytes | None, run: Run) -> None:
-            if run.a == "1.0.0":
+            if run.aid == "1.0.0":
                 raise RuntimeError("boom")
             take(peer, run)
 
         w._start = start  # type: ignore[method-assign]
         w._handle(B, forwards())
-        assert [run.a for _, run in started] == ["1.1.0"]
-        assert w.wire.snapshot()["dropped_malformed"] == 1
+        assert [run.aid for _, run in started] == ["1.1.0"]
+        assert w.wire.statistics()["dropped_malformed"] == 1
     finally:
         w.plane.close()
 
@@ -324,7 +324,7 @@ async def test_a_batch_of_one_run_sends_its_done_then_its_forward_at_once() -> N
         w._take([Packet(A, encode_msg(a_run(1, 41, (ROUTE1,), False)))])
         assert modes == [(False, True)]  # (what it makes is not held for a flush)
         assert events == [
-            ("front", Done("c", 1, {"y": 42}, x=[[0, "1.0.0"]])),
+            ("front", Done("c", 1, {"y": 42}, forwarded=[[0, "1.0.0"]])),
             ("link:" + ADDR1, Forward("token-a", "m1-0", "c", "1.0.0", "m1", {"y": 42}, None,
                                       0, 1, "g")),
         ]  # fmt: skip
@@ -354,7 +354,7 @@ async def test_a_run_while_forwards_wait_for_the_turns_end_goes_behind_them() ->
         w._done(A, "d", 9, None, {"y": 0})  # (not reading: held to the end of the turn)
         assert w._held_links
         w._take([Packet(A, encode_msg(a_run(1, 41, (ROUTE1,), False)))])
-        assert [(where, type(m).__name__, m.c) for where, m in events] == [
+        assert [(where, type(m).__name__, m.call_id) for where, m in events] == [
             ("link:" + ADDR1, "Forward", "d"), ("link:" + ADDR1, "Forward", "c"),
             ("front", "Done", "d"), ("front", "Done", "c"),
         ]  # fmt: skip
@@ -402,7 +402,7 @@ def test_a_batch_of_one_sends_what_the_held_way_sends(
 
         def comparable(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
             # (a failure's traceback differs in its frames' lines: compare what it says)
-            return [(where, m._replace(tb=bool(m.tb)) if type(m) is Done else m)
+            return [(where, m._replace(traceback=bool(m.traceback)) if type(m) is Done else m)
                     for where, m in events]  # fmt: skip
 
         def on(where: str, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

@@ -71,7 +71,7 @@ async def test_only_the_spawning_front_hosts_the_pools_metadata() -> None:
         msg = decode_msg(frames)
         if isinstance(msg, MetaCall):
             assert peer == A and msg.op == "match" and msg.args == ["kv", "chat", ["a"]]
-            r = msg.r
+            r = msg.request
     w._handle(B, MetaReply(r, [{"x": "1:0:4"}]))  # another front cannot answer for it
     w._handle(B, MetaNotify("kv", "chat", ["a"]))  # nor notify
     assert not call.done() and seen == [] and w.wire.dropped["foreign"] == 2

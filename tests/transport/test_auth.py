@@ -259,14 +259,14 @@ def test_every_message_round_trips(msg: Any) -> None:
 
 
 _WRONG = [
-    ("run", ["c", 1.5, "n", {}, None, 0, 0, "g"], "'a' is a float"),
-    ("run", ["c", True, "n", {}, None, 0, 0, "g"], "'a' is a bool"),
+    ("run", ["c", 1.5, "n", {}, None, 0, 0, "g"], "'aid' is a float"),
+    ("run", ["c", True, "n", {}, None, 0, 0, "g"], "'aid' is a bool"),
     ("run", ["c", 1, "n", {}, None, 0], "6 fields"),
     ("cancel", ["c", 1, 2], "3 fields"),
-    ("done", ["c", 1, None, None, None, 1], "'cancel' is a int"),
+    ("done", ["c", 1, None, None, None, 1], "'cancelled' is a int"),
     ("dones", [["c"], [1], [None]], "3 fields"),
-    ("dones", [["c"], 1, [None], [None]], "'as_' is a int"),
-    ("dones", [["c"], [1], [None], None], "'xs' is a NoneType"),
+    ("dones", [["c"], 1, [None], [None]], "'aids' is a int"),
+    ("dones", [["c"], [1], [None], None], "'forwarded' is a NoneType"),
     ("hello", {"front": "f"}, "no fields"),
     ("launch", [], "unknown message kind"),
 ]
@@ -295,8 +295,8 @@ def _unbatch(sent: list[list[Any]]) -> list[list[bytes]]:
     for frames in sent:
         msg = decode_msg(frames)
         if type(msg) is Batch:
-            out.extend([[bytes(m)] for m in msg.ms])
-            assert all(type(decode_inner(m)) is not Batch for m in msg.ms)
+            out.extend([[bytes(m)] for m in msg.messages])
+            assert all(type(decode_inner(m)) is not Batch for m in msg.messages)
         else:
             out.append([bytes(f) for f in frames])
     return out
@@ -317,7 +317,7 @@ def test_batch_keeps_every_message_in_order(sizes: list[str]) -> None:
     for frames in sent:
         msg = decode_msg(frames)
         if type(msg) is Batch:
-            assert 2 <= len(msg.ms) <= MAX_BATCH
+            assert 2 <= len(msg.messages) <= MAX_BATCH
 
 
 def test_a_batch_item_must_be_one_plain_message() -> None:

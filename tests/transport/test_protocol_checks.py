@@ -70,9 +70,9 @@ def test_a_bad_field_is_refused_after_good_messages_of_the_same_kind() -> None:
     good = encode_fields(Done, "c", 1, {"y": 1})
     for _ in range(3):
         assert decode_msg(good) == Done("c", 1, {"y": 1})
-    with pytest.raises(ProtocolError, match="'a' is a float"):
+    with pytest.raises(ProtocolError, match="'aid' is a float"):
         decode_msg(encode(["c", 1.5, {"y": 1}], kind="done", pickle=True))
-    with pytest.raises(ProtocolError, match="'c' is a int"):
+    with pytest.raises(ProtocolError, match="'call_id' is a int"):
         decode_msg(encode([7, 1, {"y": 1}], kind="done", pickle=True))
 
 
@@ -91,6 +91,6 @@ def test_the_shapes_remembered_per_kind_are_bounded(monkeypatch: pytest.MonkeyPa
     assert len(shapes) > _protocol._GOOD_SHAPES
     assert len(_protocol._GOOD["done"]) <= _protocol._GOOD_SHAPES
     # Past the bound a shape is still checked and taken, just not remembered.
-    assert decode_msg(encode_fields(Done, "c", "w.0.0", {"y": 2})).a == "w.0.0"
+    assert decode_msg(encode_fields(Done, "c", "w.0.0", {"y": 2})).aid == "w.0.0"
     with pytest.raises(ProtocolError):
         decode_msg(encode(["c", None, None], kind="done", pickle=True))

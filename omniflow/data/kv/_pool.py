@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # torch is imported when a pool opens, not with omniflow
     import torch
 
 
-__all__ = ["ParamsPool", "chain_hashes", "opened_pool_stats"]
+__all__ = ["ParamsPool", "chain_hashes", "opened_pool_statistics"]
 
 
 class ParamsPool(PoolShell):
@@ -241,6 +241,12 @@ class ParamsPool(PoolShell):
     # -- observability ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """``statistics()`` under the name the contract gives it (``pool.stats()``)."""
+        return self.statistics()
+
+    def statistics(self) -> dict[str, Any]:
+        """Pages per tier, pins, hits, misses, moves, segments, providers and the wire's
+        counters (what ``rt.params_pool_stats()`` and a worker's ``StatsReply.pools`` carry)."""
         counts = self._core.counts()
         return {
             "pages": {t: counts[t] for t in TIERS},
@@ -269,10 +275,10 @@ class ParamsPool(PoolShell):
                 "leases_lost": self.counters["leases_lost"],
             },
             "wire": {
-                **self.wire.snapshot(),
+                **self.wire.statistics(),
                 "pull_failures": self.counters["pull_failures"],
                 "forged_records": self.counters["forged_records"],
-                **{f"notice_{k}": v for k, v in self.notice_wire.snapshot().items()},
+                **{f"notice_{k}": v for k, v in self.notice_wire.statistics().items()},
             },
         }
 
@@ -292,7 +298,7 @@ class ParamsPool(PoolShell):
         return f"<ParamsPool '{self.name}' {self.layout.layout_id} {self.capacity}>"
 
 
-def opened_pool_stats(pools: Iterable[Any]) -> dict[str, dict[str, Any]]:
-    """``{name: pool.stats()}`` of the pools in ``pools`` that are open (a process's
+def opened_pool_statistics(pools: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """``{name: pool.statistics()}`` of the pools in ``pools`` that are open (a process's
     ``StatsReply.pools``; ``rt.params_pool_stats()``)."""
-    return {p.name: p.stats() for p in pools if isinstance(p, ParamsPool) and p.opened}
+    return {p.name: p.statistics() for p in pools if isinstance(p, ParamsPool) and p.opened}
