@@ -45,7 +45,7 @@ START_ERROR_ENV = "OMNIFLOW_START_ERROR_FILE"
 #: Environment variable naming a worker's co-location group on its node (see ``colocation_key``).
 COLOCATE_ENV = "OMNIFLOW_COLOCATE"
 #: Set to "1" by a front with metrics on in the workers it starts: they count the bytes they
-#: forward per edge and report them in their heartbeats (``EDGES_KEY``).
+#: forward and read per edge and report them in their heartbeats (``EDGES_KEY``).
 EDGE_BYTES_ENV = "OMNIFLOW_EDGE_BYTES"
 #: The key of the heartbeat's ``st`` under which the edge bytes ride (no node is named so).
 EDGES_KEY = "<edges>"
@@ -123,6 +123,10 @@ class ReplicaHandle(ABC):
 
 class Launcher(ABC):
     """Starts replicas of process groups; see the module docstring."""
+
+    #: Whether the replicas count the bytes they move per edge (``EDGE_BYTES_ENV``: the
+    #: front's metrics are on).
+    edge_bytes = False
 
     @abstractmethod
     async def start(self, spec: LaunchSpec) -> ReplicaHandle:
@@ -221,8 +225,6 @@ class SubprocessLauncher(Launcher):
         #: The fork servers started, one per working directory and environment they serve.
         self._servers: list[ForkServer] = []
         self._starting = asyncio.Lock()  # (starts come concurrently: one server each)
-        #: Whether the workers count the bytes they forward per edge (the front's metrics).
-        self.edge_bytes = False
 
     async def start(self, spec: LaunchSpec) -> SubprocessHandle | ForkedHandle:
         address = local_url(f"{spec.workdir}/w{spec.index}.sock")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from omniflow._exceptions import OmniflowError, StartError
 from omniflow.cluster._launch import (
     COLOCATE_ENV,
+    EDGE_BYTES_ENV,
     START_ERROR_ENV,
     Launcher,
     LaunchSpec,
@@ -272,6 +273,8 @@ class RayLauncher(Launcher):
                 # What it was doing should it die while starting (read back on this node).
                 START_ERROR_ENV: _words_file(spec),
             }
+            if self.edge_bytes:  # it counts the bytes it moves per edge (the front's metrics)
+                env[EDGE_BYTES_ENV] = "1"
             if role.layer:
                 cuda = await asyncio.shield(env_fut)  # the layer-0 replica of this bundle
                 if cuda is not None:

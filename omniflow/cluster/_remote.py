@@ -32,7 +32,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from omniflow._exceptions import (
@@ -42,9 +42,9 @@ from omniflow._exceptions import (
     TransportError,
 )
 from omniflow.cluster._fleet import Fleet, Replica
-from omniflow.cluster._launch import Launcher, SubprocessLauncher
+from omniflow.cluster._launch import Launcher
 from omniflow.cluster._placement import ProcessSpec
-from omniflow.cluster._remote_edges import count_run, totals
+from omniflow.cluster._remote_edges import Consumers, count_run, counting, totals
 from omniflow.cluster._remote_ends import CallEnds
 from omniflow.cluster._remote_fast import FastPath
 from omniflow.cluster._remote_meta import WorkerQueries
@@ -64,11 +64,13 @@ from omniflow.registry._lb import (
     no_live_replica,
 )
 from omniflow.runtime._executor import OnDone, OnFrame
+from omniflow.runtime._metrics import FRONT_REF
 from omniflow.transport._auth import resolve_key
 from omniflow.transport._fastpath import fast_path_enabled, front_spin, is_local
 from omniflow.transport._protocol import Cancel, CloseSession, Release, Run, encode_msg
 
 if TYPE_CHECKING:
+    from omniflow.plan._plan import StaticPlan
     from omniflow.runtime._call import Call
     from omniflow.runtime.callcore._core import Activation, CallCore
 
@@ -187,6 +189,8 @@ class RemoteRoles(Replies, Pins):
         #: Encoded bytes of the runs sent, per edge (``RuntimeMetrics.edge_bytes``; None:
         #: metrics off, nothing counted).
         self.edge_bytes: dict[tuple[str, str, str, str], int] | None = None
+        #: The plans, by graph (the producers of the inputs workers read from the front).
+        self._plans: Mapping[str, StaticPlan] = {}
 
     @property
     def heartbeat_interval(self) -> float:
@@ -297,26 +301,30 @@ class RemoteRoles(Replies, Pins):
             )
             return
         if self.edge_bytes is not None:
-            count_run(self.edge_bytes, call.graph, core, act.node, kwargs, frames,
-                      len(targets or ()) or 1)  # fmt: skip
+            count_run(self.edge_bytes, call.graph, core, act.node, kwargs, len(targets or ()) or 1)
         if not targets:  # the session's first run from here: settle its pin first
             assert call.session is not None
             self._defer(call.session, role, key, frames)
             return
         self._send_run(p, frames, targets)
 
-    def count_edge_bytes(self, into: dict[tuple[str, str, str, str], int]) -> None:
-        """Count the bytes of runs sent per edge ``into`` (the runtime's metrics), and have
-        the workers this front starts count what they forward (reported in heartbeats)."""
+    def count_edge_bytes(
+        self, into: dict[tuple[str, str, str, str], int], plans: Mapping[str, StaticPlan]
+    ) -> None:
+        """Count ``into`` (the runtime's metrics) the bytes per edge of the runs sent and of
+        the frames and dones received, and have the workers this front starts count what
+        they forward and read (reported in heartbeats; ``_remote_edges``)."""
         self.edge_bytes = into
-        launcher = self.fleet.launcher
-        if isinstance(launcher, SubprocessLauncher):
-            launcher.edge_bytes = True
+        self._plans = plans
+        labels = Consumers()  # (both callbacks count: a returned frame rides in a done)
+        self._on_frame = counting(into, labels, self._on_frame)
+        self._on_return = counting(into, labels, self._on_return)
+        self.fleet.launcher.edge_bytes = True
 
     def edge_byte_totals(self) -> dict[tuple[str, str, str, str], int]:
-        """Bytes per edge: the runs this front sent plus what each live worker's last
-        heartbeat said it forwarded (``_remote_edges.totals``)."""
-        return totals(self.edge_bytes, self.fleet.replicas.values())
+        """Bytes per edge: what this front counted plus what each live worker's last
+        heartbeat said it counted (``_remote_edges.totals``)."""
+        return totals(self.edge_bytes, self.fleet.replicas.values(), self._plans)
 
     def _bind(
         self,
@@ -410,7 +418,7 @@ class RemoteRoles(Replies, Pins):
         """Big inputs the front itself produced go to the worker through the front's pool."""
         assert self.plane is not None
         out = self.plane.offload(
-            f"<front>->{node}", key[0], key[1], 0, kwargs,
+            FRONT_REF + node, key[0], key[1], 0, kwargs,
             [f for f, v in kwargs.items() if type(v) is not DataRef],
         )  # fmt: skip
         if out is not kwargs:

@@ -12,6 +12,7 @@ from typing import Any
 
 from omniflow._exceptions import RuntimeClosedError, TransportError
 from omniflow.cluster._forward import Route, parse_routes, wire_id
+from omniflow.cluster._remote_edges import wire_size
 from omniflow.cluster._worker_held import SCALARS, FwdBatch, Link
 from omniflow.cluster._worker_state import CANCELLED_EARLY, WorkerState, _Key
 from omniflow.data._ref import refs_in
@@ -142,14 +143,12 @@ class ForwardLinks(WorkerState):
                         last.qs.append(q)
                     else:
                         items.append(FwdBatch(fw, route, wid, value, q))
-                    size = len(value) if type(value) in (bytes, str) else 8
                 else:  # encoded now: what the value is now (or a batch of one's run: it goes)
                     envelope = encode_fields(
                         Forward, fw.ft, route.replica, fw.c, wid, route.node, {f: value}, fw.s,
                         route.group, q, fw.gr, route.offload, route.threshold, route.connectors,
                         route.subroutes, fw.tp,
                     )  # fmt: skip
-                    size = sum(len(memoryview(b).cast("B")) for b in envelope)
                     if self._direct:  # (sent right after the run's end: ``_take``)
                         self._after_end.append((route.address, envelope))
                     else:
@@ -161,7 +160,7 @@ class ForwardLinks(WorkerState):
             eb = self._edge_bytes
             if eb is not None:  # (/metrics: omniflow_edge_bytes_total; see ``_heartbeat``)
                 ek = (fw.gr, fw.n, f, route.node)
-                eb[ek] = eb.get(ek, 0) + size
+                eb[ek] = eb.get(ek, 0) + wire_size(value)
             if x is None:
                 x = []
             x.append([r, wid])

@@ -16,6 +16,7 @@ from omniflow.data._ref import DataRef, refs_in
 from omniflow.dsl._context import ActivationContext, _current
 from omniflow.runtime._batcher import BatchEntry
 from omniflow.runtime._drive import drive, eager_task, generator_end
+from omniflow.runtime._metrics import count_reads
 from omniflow.runtime._tracing import attach_traceparent
 from omniflow.transport._protocol import MAX_BATCH, Done, Frame, Frames, Run, encode_fields
 
@@ -53,6 +54,8 @@ class Activations(WorkerState):
             except Exception as exc:
                 self._done(peer, run.call_id, run.aid, exc)
                 return
+            if self._edge_bytes is not None:  # (read from another process's pool: /metrics)
+                count_reads(self._edge_bytes, run.graph, run.node, kwargs.items())
         self._run(peer, run)
 
     def _resolve_now(self, value: Any, conn: dict[str, str]) -> Any:
@@ -70,15 +73,16 @@ class Activations(WorkerState):
     async def _pull_then_run(self, peer: bytes | None, run: Run) -> None:
         key = (peer, run.call_id, run.aid)
         conn = run.connectors or {}
+        kwargs = run.kwargs
         try:
-            run = run._replace(
-                kwargs={f: await self._resolve(v, conn) for f, v in run.kwargs.items()}
-            )
+            run = run._replace(kwargs={f: await self._resolve(v, conn) for f, v in kwargs.items()})
         except BaseException as exc:
             self._running.pop(key, None)
             self._done(peer, run.call_id, run.aid, exc)
             return
         self._running.pop(key, None)
+        if self._edge_bytes is not None:  # (read from another process's pool: /metrics)
+            count_reads(self._edge_bytes, run.graph, run.node, kwargs.items())
         self._run(peer, run)
 
     async def _resolve(self, value: Any, conn: dict[str, str]) -> Any:

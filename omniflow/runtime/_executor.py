@@ -10,7 +10,7 @@ knows the runtime, the runtime knows an interface.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from omniflow._exceptions import OmniflowError
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from omniflow.data._plane import DataPlane
     from omniflow.data._ref import DataRef
     from omniflow.dsl._context import Colocation
+    from omniflow.plan._plan import StaticPlan
     from omniflow.runtime._call import Call
     from omniflow.runtime.callcore._core import Activation, CallCore
 
@@ -50,7 +51,9 @@ class Remote(Protocol):
     def end_call(self, call_id: str) -> asyncio.Future[None] | None: ...
     def close_session(self, session: str) -> None: ...
     def colocation(self, local: frozenset[str]) -> Colocation: ...
-    def count_edge_bytes(self, into: dict[tuple[str, str, str, str], int]) -> None: ...
+    def count_edge_bytes(
+        self, into: dict[tuple[str, str, str, str], int], plans: Mapping[str, StaticPlan]
+    ) -> None: ...
     def edge_byte_totals(self) -> dict[tuple[str, str, str, str], int]: ...
     def statistics(self) -> dict[str, int]: ...
     def wire_statistics(self) -> dict[str, Any]: ...

@@ -10,10 +10,28 @@ tracing are on.
 from __future__ import annotations
 
 import bisect
+import os
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["LATENCY_BUCKETS", "RECENT", "Histogram", "NodeMetrics", "RuntimeMetrics"]
+from omniflow.data._connectors import HOST
+from omniflow.data._ref import refs_in
+
+__all__ = [
+    "FRONT_REF",
+    "LATENCY_BUCKETS",
+    "RECENT",
+    "Histogram",
+    "NodeMetrics",
+    "RuntimeMetrics",
+    "count_reads",
+]
+
+#: How the front's data plane names the producer of the inputs it puts in its pool for a
+#: remote run (``FRONT_REF + node``); the front's edge totals name their producers instead.
+FRONT_REF = "<front>->"
 
 #: Upper bounds (seconds) of the latency histogram buckets; +Inf is implied.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -91,8 +109,8 @@ class RuntimeMetrics:
     #: Real-time factor of each call's ``of.Audio`` output field (call seconds per second of
     #: audio it carried; below 1: faster than real time), per (graph, field).
     audio_rtf: dict[tuple[str, str], Histogram] = field(default_factory=dict)
-    #: Encoded bytes of the runs this front sent to workers, per edge (graph, producer,
-    #: field, consumer); a worker counts what it sends and says so in its heartbeats.
+    #: Bytes that crossed a process boundary per edge (graph, producer, field, consumer):
+    #: what this process counted (``cluster._remote_edges``); workers report theirs.
     edge_bytes: dict[tuple[str, str, str, str], int] = field(default_factory=dict)
 
     def node(self, graph: str, node: str) -> NodeMetrics:
@@ -100,3 +118,17 @@ class RuntimeMetrics:
         if m is None:
             m = self.nodes[(graph, node)] = NodeMetrics()
         return m
+
+
+def count_reads(
+    edges: dict[tuple[str, str, str, str], int], graph: str, dst: str, items: Iterable[Any]
+) -> None:
+    """Count the payload bytes of the data-plane refs that ``dst`` (a node, ``"<output>"``
+    for the caller) reads in this process from another process's pool, one transfer per
+    read, on the edge from each ref's producer node. ``items``: (field, value, ...) each."""
+    pid = os.getpid()
+    for item in items:
+        for ref in refs_in(item[1]):
+            if ref.pid != pid or ref.host != HOST:
+                key = (graph, ref.key[0], item[0], dst)
+                edges[key] = edges.get(key, 0) + ref.nbytes

@@ -202,7 +202,7 @@ class Runtime(RuntimeStatistics):
             for pool in self._pools.values():
                 pool.set_cluster_key(key)
         if self.remote is not None and self.metrics is not None:  # bytes moved per edge
-            self.remote.count_edge_bytes(self.metrics.edge_bytes)
+            self.remote.count_edge_bytes(self.metrics.edge_bytes, self.plans)
         if self.remote is not None and self._pools:
             self.remote.track_calls = True
             for pool in self._pools.values():  # metadata=None: the one the front hosts

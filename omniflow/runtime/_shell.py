@@ -24,7 +24,7 @@ from omniflow.runtime._batcher import BatchEntry, Batcher
 from omniflow.runtime._call import Call
 from omniflow.runtime._drive import Continue, drive, eager_task, generator_end
 from omniflow.runtime._executor import Remote
-from omniflow.runtime._metrics import RuntimeMetrics
+from omniflow.runtime._metrics import RuntimeMetrics, count_reads
 from omniflow.runtime._params import SessionParams
 from omniflow.runtime.callcore._core import RUNNING, Activation, CallCore
 from omniflow.runtime.callcore._stimuli import (
@@ -131,6 +131,8 @@ class Shell:
             self._release(release)
         if emit:
             if self.plane is not None and DataRef in map(type, map(_value, emit)):
+                if self.metrics is not None:  # (the caller's copies: read across processes)
+                    count_reads(self.metrics.edge_bytes, call.graph, "<output>", emit)
                 emit = tuple(map(self._materialize, emit))
             call._push(emit)
             if self.metrics is not None:
@@ -475,10 +477,13 @@ class Shell:
         if plane is None:
             return act.kwargs
         try:
-            return {f: _read_refs(plane, v) for f, v in act.kwargs.items()}
+            kwargs = {f: _read_refs(plane, v) for f, v in act.kwargs.items()}
         except OmniflowError as exc:
             self._done(call, core, act, exc, not call._ready)
             return None
+        if self.metrics is not None:  # (what was read from another process's pool)
+            count_reads(self.metrics.edge_bytes, call.graph, act.node, act.kwargs.items())
+        return kwargs
 
     def track(self, task: asyncio.Task[Any]) -> None:
         self.tasks.add(task)

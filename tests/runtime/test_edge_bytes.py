@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
 
 import omniflow as of
 from omniflow.serve._metrics import HttpMetrics, render
+from omniflow.transport._codec import encode
 
 
 class A(of.Role):
@@ -65,3 +70,95 @@ async def test_process_chain_counts_bytes_per_edge_growing_with_value_size() -> 
         assert small.get(fwd, 0) > 0 and big.get(fwd, 0) > small.get(fwd, 0), (fwd, small, big)
     assert 'omniflow_edge_bytes_total{dst="a.a",field="x",graph="edges",src="<input>"}' in text
     assert 'omniflow_edge_bytes_total{dst="b.b",field="y",graph="edges",src="a.a"}' in text
+
+
+# ------------------------------------------------- both directions, and the data plane
+
+
+class W(of.Role):
+    @of.interface(inputs_or=[["x"]], outputs=["t", "s"])
+    async def run(self, x: int) -> dict[str, Any]:
+        return {"t": np.arange(x, dtype="f4"), "s": f"n={x}"}
+
+
+class F(of.Role):
+    @of.interface(inputs_or=[["t"]], outputs=["n"])
+    async def sum(self, t: Any) -> dict[str, int]:
+        return {"n": int(t.sum())}
+
+
+back = of.Graph(
+    "back", roles={"w": W(), "f": F()}, inputs=[of.Placeholder("x")], outputs=["s", "n"]
+)
+SIZES = (4096, 8192)  # floats: 16 and 32 KiB, above the data threshold (1 KiB here)
+
+
+def _wire(value: Any) -> int:
+    """What a value weighs in a message: its encoded bytes on its own."""
+    return sum(memoryview(b).nbytes for b in encode(value, pickle=True))
+
+
+def _expected(all_remote: bool) -> dict[tuple[str, str, str, str], int]:
+    """The edges of ``back`` after one call per SIZES, from the values each carried: the
+    front's runs of x to w, w's frames of s back to the caller, the payload of t read by f
+    from w's pool, and, with f in a worker too, f's frames of n back."""
+    runs = [(x, np.arange(x, dtype="f4")) for x in SIZES]
+    out = {
+        ("back", "<input>", "x", "w.run"): sum(_wire(x) for x, _ in runs),
+        ("back", "w.run", "s", "<output>"): sum(_wire(f"n={x}") for x, _ in runs),
+        ("back", "w.run", "t", "f.sum"): sum(t.nbytes for _, t in runs),
+    }
+    if all_remote:
+        out[("back", "f.sum", "n", "<output>")] = sum(_wire(int(t.sum())) for _, t in runs)
+    return out
+
+
+async def _count_back(rt: of.Runtime, want: dict[tuple[str, str, str, str], int]) -> Any:
+    for x in SIZES:
+        out = await rt.run("back", {"x": x})
+        assert out == {"s": [f"n={x}"], "n": [int(np.arange(x, dtype="f4").sum())]}
+    got = rt.edge_bytes()
+    for _ in range(600):  # what workers counted comes with their next heartbeat (a hang guard)
+        if got == want:
+            break
+        await asyncio.sleep(0.05)
+        got = rt.edge_bytes()
+    return got
+
+
+@pytest.mark.parametrize("placement", [of.Deploy({"w": {}}), "process"], ids=["front_f", "all"])
+async def test_bytes_back_to_the_front_and_through_the_data_plane_are_counted_exactly(
+    placement: Any,
+) -> None:
+    # w in a worker, f on the front (f reads t from w's pool, the caller gets s from w), or f
+    # in a worker too (its worker reads t and reports it; the caller gets n from f's).
+    async with of.Runtime(
+        back, placement=placement, metrics=True, data_threshold=1024, heartbeat_interval=0.05
+    ) as rt:
+        want = _expected(all_remote=placement == "process")
+        assert await _count_back(rt, want) == want
+        text = render(rt, HttpMetrics(), inflight=0, draining=False)
+    assert 'omniflow_edge_bytes_total{dst="f.sum",field="t",graph="back",src="w.run"}' in text
+    assert 'omniflow_edge_bytes_total{dst="<output>",field="s",graph="back",src="w.run"}' in text
+
+
+async def test_edge_bytes_are_not_counted_with_metrics_off() -> None:
+    async with of.Runtime(
+        back, placement=of.Deploy({"w": {}}), data_threshold=1024, heartbeat_interval=0.05
+    ) as rt:
+        for x in SIZES:
+            await rt.run("back", {"x": x})
+        assert rt.edge_bytes() == {}
+        assert rt.remote is not None and rt.remote.edge_bytes is None
+        assert not rt.remote.fleet.launcher.edge_bytes  # (its workers count nothing either)
+        text = render(rt, HttpMetrics(), inflight=0, draining=False)
+    assert "omniflow_edge_bytes_total" not in text
+
+
+async def test_ray_replicas_count_their_reads_and_frames_exactly(ray_local: Any) -> None:
+    # Every role in an actor: f's replica reads t from w's pool and says so in its heartbeats.
+    async with of.Runtime(
+        back, placement=of.Ray(), metrics=True, data_threshold=1024, heartbeat_interval=0.05
+    ) as rt:
+        want = _expected(all_remote=True)
+        assert await _count_back(rt, want) == want
