@@ -149,7 +149,7 @@ class ObservedCore(CallCore):
 
     def _produced(self, act: Activation, frame: Any) -> None:
         self.frames[act] = self.frames.get(act, 0) + 1
-        if type(frame) is dict:
+        if type(frame) is dict and self.c.bucket_nodes:  # (only bucketed activations link)
             sc = self.spans[act].get_span_context()
             for v in frame.values():
                 self.producers[id(v)] = (v, sc)
