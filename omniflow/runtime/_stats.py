@@ -75,7 +75,8 @@ class RuntimeStatistics:
 
     def edge_bytes(self) -> dict[tuple[str, str, str, str], int]:
         """Bytes moved between processes per edge (graph, producer, field, consumer) while
-        metrics are on: runs the front sent, forwards its workers reported ({}: none)."""
+        metrics are on, both ways, data-plane payloads included: what the front counted and
+        what its workers reported ({}: none; ``cluster._remote_edges``)."""
         if self.remote is None or self.metrics is None:
             return {}
         return self.remote.edge_byte_totals()

@@ -27,10 +27,11 @@ which the hot path updates without a library call), and ``generate_latest`` writ
     omniflow_batch_wait_seconds_mean{node}, _max    gauge     how long a batch's first activation
                                                               waited (from rt.batch_stats(): the
                                                               nodes this process runs)
-    omniflow_edge_bytes_total{graph,src,field,dst}  counter   encoded bytes of the runs the front
-                                                              sent to workers and the forwards
-                                                              workers sent each other, per edge
-                                                              (rt.edge_bytes(); multi-process)
+    omniflow_edge_bytes_total{graph,src,field,dst}  counter   bytes of each edge's values that
+                                                              crossed a process boundary, both
+                                                              ways, data-plane payloads at the
+                                                              consumer's read (rt.edge_bytes();
+                                                              multi-process; _remote_edges)
     omniflow_open_buckets                           gauge     from rt.stats()
     omniflow_inflight_activations                   gauge     from rt.stats()
     omniflow_active_calls                           gauge     from rt.stats()
