@@ -162,3 +162,24 @@ async def test_ray_replicas_count_their_reads_and_frames_exactly(ray_local: Any)
     ) as rt:
         want = _expected(all_remote=True)
         assert await _count_back(rt, want) == want
+
+
+async def test_big_values_count_their_payload_once_per_read_along_a_chain() -> None:
+    # x (the caller's) goes through the front's pool, y and z through a's and b's: each
+    # is read once, by the next worker, and the front's runs carry refs only.
+    size = 300_000  # above the default data threshold (256 KiB)
+    async with of.Runtime(chain, placement="process", metrics=True, heartbeat_interval=0.05) as rt:
+        assert (await rt.run("edges", {"x": b"v" * size})) == {"out": [size]}
+        want = {
+            ("edges", "<input>", "x", "a.a"): size,  # the front's ref, named by the plan
+            ("edges", "a.a", "y", "b.b"): size,
+            ("edges", "b.b", "z", "c.c"): size,
+            ("edges", "c.c", "out", "<output>"): _wire(size),
+        }
+        got = rt.edge_bytes()
+        for _ in range(600):  # the workers' reads come with their next heartbeats
+            if got == want:
+                break
+            await asyncio.sleep(0.05)
+            got = rt.edge_bytes()
+    assert got == want
