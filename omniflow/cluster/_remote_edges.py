@@ -42,7 +42,11 @@ def wire_size(value: Any) -> int:
     read). Big buffers are not copied to be measured: they go out of band as views."""
     if type(value) is DataRef:
         return 0
-    return sum(memoryview(b).nbytes for b in encode(value, pickle=True))
+    try:
+        frames = encode(value, pickle=True)
+    except Exception:  # (a value that was decoded but will not encode again: a metric never
+        return 0  # fails the frame it is counting; what it weighed cannot be known)
+    return sum(memoryview(b).nbytes for b in frames)
 
 
 def count_run(

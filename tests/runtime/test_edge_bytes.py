@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import omniflow as of
+from omniflow.cluster._remote_edges import wire_size
 from omniflow.serve._metrics import HttpMetrics, render
 from omniflow.transport._codec import encode
 
@@ -183,3 +184,14 @@ async def test_big_values_count_their_payload_once_per_read_along_a_chain() -> N
             await asyncio.sleep(0.05)
             got = rt.edge_bytes()
     assert got == want
+
+
+def test_wire_size_is_the_encoded_size_and_never_raises() -> None:
+    assert wire_size(b"v" * 300) == _wire(b"v" * 300) > 300
+    assert wire_size(np.zeros(100_000, "f4")) == _wire(np.zeros(100_000, "f4")) > 400_000
+
+    class Unpicklable:
+        def __reduce__(self) -> Any:
+            raise TypeError("no")
+
+    assert wire_size(Unpicklable()) == 0  # (counted as nothing; the frame still goes on)
