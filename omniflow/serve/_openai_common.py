@@ -34,6 +34,7 @@ __all__ = [
     "admitted",
     "bad_request",
     "call_failure",
+    "chosen_model",
     "error_message",
     "openai_error",
     "read_json",
@@ -75,6 +76,19 @@ def unknown_model(model: str, models: list[str], what: str, shape: str) -> Respo
         param="model",
         code="model_not_found",
     )
+
+
+def chosen_model(model: Any, models: list[str], what: str, shape: str) -> str | Response:
+    """The graph a request's ``model`` names among ``models`` (those serving ``what``), or the
+    400 (none named) or 404 (``unknown_model``) that says why not: speech, transcriptions and
+    images check the field alike."""
+    if not isinstance(model, str) or not model:
+        return bad_request(
+            "you must provide a model parameter (a string)", "model", "missing_required_parameter"
+        )
+    if model not in models:
+        return unknown_model(model, models, what, shape)
+    return model
 
 
 async def read_json(

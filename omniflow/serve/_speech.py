@@ -44,9 +44,9 @@ from omniflow.serve._openai_common import (
     admitted,
     bad_request,
     call_failure,
+    chosen_model,
     read_json,
     send_json,
-    unknown_model,
 )
 from omniflow.serve._pcm import PcmStream, wav_header
 from omniflow.serve._stream import CallResponse, call_status
@@ -74,11 +74,9 @@ async def _start_speech(request: Request, state: ServeState) -> Response | CallR
     if not isinstance(body, dict):
         return body
     models = served(rt.plans, Endpoint.SPEECH)
-    model = body.get("model")
+    model = chosen_model(body.get("model"), models, "speech", "a Placeholder 'input'")
     if not isinstance(model, str):
-        return bad_request("you must provide a model parameter (a string)", "model")
-    if model not in models:
-        return unknown_model(model, models, "speech", "a Placeholder 'input'")
+        return model
     text = body.get("input")
     if not isinstance(text, str) or not text:
         return bad_request("'input' must be a non-empty string: the text to speak", "input")

@@ -238,6 +238,38 @@ def test_speech_errors(client: openai.OpenAI) -> None:
         client.audio.speech.create(model="talker", voice="a", input="x")
 
 
+@pytest.mark.parametrize(
+    ("model", "status", "code"),
+    [(None, 400, "missing_required_parameter"), ("", 400, "missing_required_parameter"),
+     (3, 400, "missing_required_parameter"), ("nope", 404, "model_not_found")],
+)  # fmt: skip
+def test_speech_transcriptions_and_images_name_a_missing_or_unknown_model_alike(
+    server: ServerProc, model: Any, status: int, code: str
+) -> None:
+    wav = of.Audio(np.zeros(320, np.int16), sample_rate=16000).to_wav()
+    given = {} if model is None else {"model": model}
+    answers = [
+        httpx.post(server.url + path, json={**given, **body}, headers={"x-api-key": KEY})
+        for path, body in (
+            ("/v1/audio/speech", {"input": "x"}),
+            ("/v1/images/generations", {"prompt": "x"}),
+        )
+    ]
+    if not isinstance(model, int):  # (a form field is text)
+        answers.append(
+            httpx.post(
+                server.url + "/v1/audio/transcriptions",
+                data=given,
+                files={"file": ("a.wav", wav, "audio/wav")},
+                headers={"x-api-key": KEY},
+            )
+        )
+    for r in answers:
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("model", code), error
+
+
 def test_transcriptions_multipart(client: openai.OpenAI) -> None:
     wav = of.Audio(np.zeros(3200, np.int16), sample_rate=16000).to_wav()
     t = client.audio.transcriptions.create(
