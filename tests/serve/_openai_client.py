@@ -4,6 +4,7 @@ once every call ended (tests/serve/test_openai_media.py, tests/serve/test_openai
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import httpx
@@ -48,3 +49,23 @@ def until(rt: Any, kind: str) -> list[Any]:
         seen.append(event)
         if event.type == kind:
             return seen
+
+
+def turn(rt: Any, pcm: bytes) -> None:
+    """Say ``pcm`` (16-bit mono at 24 kHz) into a realtime session and commit it."""
+    rt.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+    rt.input_audio_buffer.commit()
+
+
+def respond(rt: Any, pcm: bytes) -> list[Any]:
+    """One realtime turn on ``pcm`` and its response: the events up to ``response.done``,
+    which open with the commit, the conversation item and the response."""
+    turn(rt, pcm)
+    rt.response.create()
+    events = until(rt, "response.done")
+    assert [e.type for e in events][:3] == [
+        "input_audio_buffer.committed",
+        "conversation.item.created",
+        "response.created",
+    ], events[:3]
+    return events

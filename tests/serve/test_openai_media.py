@@ -23,7 +23,7 @@ import omniflow as of
 from omniflow.serve._pcm import resample
 
 from ._media_graphs import RATE, word_audio
-from ._openai_client import OPENAI_WS_WARNING, STATS, runtime_stats, until, user
+from ._openai_client import OPENAI_WS_WARNING, STATS, respond, runtime_stats, turn, until, user
 from .conftest import ServerProc, run_server
 
 MEDIA = str(Path(__file__).with_name("_media_graphs.py"))
@@ -300,8 +300,8 @@ def test_images_b64_png(client: openai.OpenAI) -> None:
 # -- realtime ---------------------------------------------------------------------------------
 
 
-def _pcm_b64(n: int) -> str:
-    return base64.b64encode((np.sin(np.arange(n) / 5) * 900).astype("<i2").tobytes()).decode()
+def _pcm(n: int) -> bytes:
+    return (np.sin(np.arange(n) / 5) * 900).astype("<i2").tobytes()
 
 
 @OPENAI_WS_WARNING
@@ -310,16 +310,7 @@ def test_realtime_turn(client: openai.OpenAI, server: ServerProc) -> None:
         assert rt.recv().type == "session.created"
         rt.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
         assert rt.recv().type == "session.updated"
-        rt.input_audio_buffer.append(audio=_pcm_b64(4800))
-        rt.input_audio_buffer.commit()
-        rt.response.create()
-        events = until(rt, "response.done")
-        kinds = [e.type for e in events]
-        assert kinds[:3] == [
-            "input_audio_buffer.committed",
-            "conversation.item.created",
-            "response.created",
-        ]
+        events = respond(rt, _pcm(4800))
         said = "".join(e.delta for e in events if e.type.endswith("transcript.delta"))
         assert said == "heard 4800 samples at 24000 Hz"
         pcm = b"".join(
@@ -357,8 +348,7 @@ def test_realtime_cancel_and_barge_in(client: openai.OpenAI, server: ServerProc,
         if how == "cancel":
             rt.response.cancel()
         else:
-            rt.input_audio_buffer.append(audio=_pcm_b64(2400))
-            rt.input_audio_buffer.commit()
+            turn(rt, _pcm(2400))
         done = until(rt, "response.done")[-1]
         assert done.response.status == "cancelled"
         reason = "client_cancelled" if how == "cancel" else "turn_detected"

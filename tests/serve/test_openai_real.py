@@ -25,7 +25,7 @@ from PIL import ImageDraw, ImageFont
 import omniflow as of
 from tests.roles._sentences import SENTENCES
 
-from ._openai_client import OPENAI_WS_WARNING, STATS, runtime_stats, until, user
+from ._openai_client import OPENAI_WS_WARNING, STATS, respond, runtime_stats, turn, until, user
 from .conftest import ROOT, ServerProc, run_server
 
 pytest.importorskip("pocketsphinx")
@@ -229,11 +229,6 @@ def test_bad_media_is_400_naming_the_part(client: openai.OpenAI) -> None:
 # -- realtime ---------------------------------------------------------------------------------
 
 
-def turn(rt: Any, pcm: bytes) -> None:
-    rt.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
-    rt.input_audio_buffer.commit()
-
-
 def test_realtime_voice_turns_reuse_the_cached_prefix(client: openai.OpenAI) -> None:
     with client.realtime.connect(model="voice_chat") as rt:
         assert rt.recv().type == "session.created"
@@ -243,15 +238,7 @@ def test_realtime_voice_turns_reuse_the_cached_prefix(client: openai.OpenAI) -> 
         assert rt.recv().type == "session.updated"
         usages = []
         for sentence in ("tell me a story about a cat", "how far is the moon from the earth"):
-            turn(rt, speech_pcm(sentence))
-            rt.response.create()
-            events = until(rt, "response.done")
-            kinds = [e.type for e in events]
-            assert kinds[:3] == [
-                "input_audio_buffer.committed",
-                "conversation.item.created",
-                "response.created",
-            ]
+            events = respond(rt, speech_pcm(sentence))
             said = "".join(
                 e.delta for e in events if e.type == "response.output_audio_transcript.delta"
             )
