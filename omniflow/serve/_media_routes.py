@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from omniflow._exceptions import InputError
 from omniflow._media import Image
-from omniflow.serve._endpoints import Endpoint, graph_inputs, served
+from omniflow.serve._endpoints import Endpoint, graph_inputs
 from omniflow.serve._media_in import BadMedia, decode_audio
 from omniflow.serve._multipart import FormError, parse_form
 from omniflow.serve._openai_common import (
@@ -97,9 +97,12 @@ async def _start_transcription(request: Request, state: ServeState) -> Response 
             "file",
             "missing_required_parameter",
         )
-    models = served(rt.plans, Endpoint.TRANSCRIPTIONS)
     model = chosen_model(
-        fields.get("model"), models, "transcription", "a Placeholder 'audio' and an output 'text'"
+        fields.get("model"),
+        rt.plans,
+        Endpoint.TRANSCRIPTIONS,
+        "transcription",
+        "a Placeholder 'audio' and an output 'text'",
     )
     if not isinstance(model, str):
         return model
@@ -170,8 +173,9 @@ async def _start_images(request: Request, state: ServeState) -> Response | CallR
     body = await read_json(request)
     if not isinstance(body, dict):
         return body
-    models = served(rt.plans, Endpoint.IMAGES)
-    model = chosen_model(body.get("model"), models, "image", "a Placeholder 'prompt'")
+    model = chosen_model(
+        body.get("model"), rt.plans, Endpoint.IMAGES, "image", "a Placeholder 'prompt'"
+    )
     if not isinstance(model, str):
         return model
     prompt = body.get("prompt")

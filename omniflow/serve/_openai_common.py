@@ -12,7 +12,7 @@ the call ended well (``_openai``, ``_speech``, ``_media_routes``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from omniflow._exceptions import InputError, NodeError
 from omniflow.serve._codec import ValueDecodingError, dumps, loads
+from omniflow.serve._endpoints import Endpoint, served
 from omniflow.serve._limits import bad_session
 from omniflow.serve._stream import CallResponse, call_status
 
@@ -78,10 +79,13 @@ def unknown_model(model: str, models: list[str], what: str, shape: str) -> Respo
     )
 
 
-def chosen_model(model: Any, models: list[str], what: str, shape: str) -> str | Response:
-    """The graph a request's ``model`` names among ``models`` (those serving ``what``), or the
-    400 (none named) or 404 (``unknown_model``) that says why not: speech, transcriptions and
-    images check the field alike."""
+def chosen_model(
+    model: Any, plans: Mapping[str, Any], endpoint: Endpoint, what: str, shape: str
+) -> str | Response:
+    """The graph a request's ``model`` names among those of ``plans`` that serve ``endpoint``
+    (``what``, graphs of ``shape``), or the 400 (none named) or 404 (``unknown_model``) that
+    says why not: speech, transcriptions and images check the field alike."""
+    models = served(plans, endpoint)
     if not isinstance(model, str) or not model:
         return bad_request(
             "you must provide a model parameter (a string)", "model", "missing_required_parameter"

@@ -37,7 +37,7 @@ from starlette.routing import Route
 from omniflow._exceptions import InputError
 from omniflow._media import Audio
 from omniflow.serve._codec import dumps
-from omniflow.serve._endpoints import Endpoint, graph_inputs, served
+from omniflow.serve._endpoints import Endpoint, graph_inputs
 from omniflow.serve._limits import bad_session
 from omniflow.serve._openai_common import (
     SESSION_HEADER,
@@ -73,8 +73,9 @@ async def _start_speech(request: Request, state: ServeState) -> Response | CallR
     body = await read_json(request)
     if not isinstance(body, dict):
         return body
-    models = served(rt.plans, Endpoint.SPEECH)
-    model = chosen_model(body.get("model"), models, "speech", "a Placeholder 'input'")
+    model = chosen_model(
+        body.get("model"), rt.plans, Endpoint.SPEECH, "speech", "a Placeholder 'input'"
+    )
     if not isinstance(model, str):
         return model
     text = body.get("input")
