@@ -68,6 +68,8 @@ class Activations(WorkerState):
         self._run(peer, run)
 
     def _run(self, peer: bytes | None, run: Run) -> None:
+        # (Shell._launch runs the front's by the same rules, runtime/_drive; its ends step a
+        # call core, these go to the front as messages.)
         c, a, node, kwargs, session, group, q, graph, off, th, _conn, fw, tp = run
         # The front will send end_call (it tracks this worker for the call) when the call may
         # leave state here: per-call params, pages in a Params Pool, or offloaded outputs

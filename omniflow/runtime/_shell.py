@@ -239,6 +239,8 @@ class Shell:
                 return
 
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
+        # (A worker's ``Activations._run`` runs by the same rules, runtime/_drive; its ends
+        # go to the front as messages, these step the call core at once.)
         metrics = self.metrics
         while True:  # one turn per activation of a chain of inline returns
             if metrics is not None:
