@@ -245,6 +245,7 @@ class Fleet:
 
     async def _write(self, rep: Replica) -> None:
         """Send what is queued for ``rep``, in order; what queued together leaves batched."""
+        # (Not the worker's ``_write``: one replica per writer, and a failure loses it.)
         out = rep.out
         while True:
             items = [await out.get()]

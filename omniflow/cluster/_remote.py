@@ -35,12 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from omniflow._exceptions import (
-    NodeError,
-    RegistryError,
-    RuntimeClosedError,
-    TransportError,
-)
+from omniflow._exceptions import NodeError, RegistryError
 from omniflow.cluster._fleet import Fleet, Replica
 from omniflow.cluster._launch import Launcher
 from omniflow.cluster._placement import ProcessSpec
@@ -65,7 +60,7 @@ from omniflow.registry._lb import (
 )
 from omniflow.runtime._executor import OnDone, OnFrame
 from omniflow.runtime._metrics import FRONT_REF
-from omniflow.transport._auth import resolve_key
+from omniflow.transport._auth import resolve_key, send_sealed_now
 from omniflow.transport._fastpath import fast_path_enabled, front_spin, is_local
 from omniflow.transport._protocol import Cancel, CloseSession, Release, Run, encode_msg
 
@@ -402,12 +397,8 @@ class RemoteRoles(Replies, Pins):
             # the writer sends them back to back and the workers receive them in batches.
             if not self.fleet.intake.in_batch and rep.out.empty() and rep.endpoint is not None:
                 assert rep.sealer is not None
-                try:
-                    # A refused try used a counter the writer skips: gaps are allowed.
-                    if rep.endpoint.try_send(rep.sealer.seal(frames)):
-                        continue
-                except (TransportError, RuntimeClosedError):
-                    pass  # the writer meets the same error and declares the replica lost
+                if send_sealed_now(rep.endpoint, rep.sealer, frames):
+                    continue
             rep.out.put_nowait(frames)
 
     @staticmethod

@@ -281,6 +281,7 @@ class Worker(Activations, ForwardLinks, CallState):
         )
 
     async def _write(self, endpoint: Any) -> None:
+        # (Not the fleet's: one writer for every front, and a failure forgets only that one.)
         while True:
             self._writing = False
             item = await self._out.get()

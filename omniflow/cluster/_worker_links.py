@@ -6,7 +6,6 @@ workers frame by frame (``_forward``), its links to them, the forwards it serves
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -17,7 +16,7 @@ from omniflow.cluster._worker_held import SCALARS, FwdBatch, Link
 from omniflow.cluster._worker_state import CANCELLED_EARLY, WorkerState, _Key
 from omniflow.data._ref import refs_in
 from omniflow.transport import connect
-from omniflow.transport._auth import sealer_for
+from omniflow.transport._auth import sealer_for, send_sealed_now
 from omniflow.transport._protocol import Claimed, Forward, Forwards, Run, encode_fields
 
 logger = logging.getLogger("omniflow.worker")
@@ -195,10 +194,12 @@ class ForwardLinks(WorkerState):
         if address in self._gone:
             return
         link = self._link(address)
-        if link.writer is None and not link.out:
-            with contextlib.suppress(TransportError, RuntimeClosedError):
-                if link.endpoint.try_send(link.sealer.seal(frames)):
-                    return
+        if (
+            link.writer is None
+            and not link.out
+            and send_sealed_now(link.endpoint, link.sealer, frames)
+        ):
+            return
         link.out.append(frames)
         if link.writer is None:
             link.writer = asyncio.get_running_loop().create_task(self._link_write(link))
@@ -215,6 +216,7 @@ class ForwardLinks(WorkerState):
 
     async def _link_write(self, link: Link) -> None:
         """Send what queued for a link, in order; done when the queue is empty."""
+        # (Not the worker's ``_write``: a failed link is only logged; the front fails its runs.)
         try:
             while link.out:
                 frames = link.out.popleft()

@@ -48,9 +48,8 @@ class Activations(WorkerState):
                 task.add_done_callback(lambda t: self._unreported(key, t))
                 return
             try:
-                run = run._replace(
-                    kwargs={f: self._resolve_now(v, conn) for f, v in kwargs.items()}
-                )
+                read = self.plane.resolve_now
+                run = run._replace(kwargs={f: read(v, conn) for f, v in kwargs.items()})
             except Exception as exc:
                 self._done(peer, run.call_id, run.aid, exc)
                 return
@@ -58,24 +57,13 @@ class Activations(WorkerState):
                 count_reads(self._edge_bytes, run.graph, run.node, kwargs.items())
         self._run(peer, run)
 
-    def _resolve_now(self, value: Any, conn: dict[str, str]) -> Any:
-        refs = refs_in(value)
-        if not refs:
-            return value
-        if type(value) is list or type(value) is tuple:
-            out = [
-                self.plane.read_now(v, conn.get(v.key[0], "auto")) if v in refs else v
-                for v in value
-            ]
-            return out if type(value) is list else tuple(out)
-        return self.plane.read_now(value, conn.get(value.key[0], "auto"))
-
     async def _pull_then_run(self, peer: bytes | None, run: Run) -> None:
         key = (peer, run.call_id, run.aid)
         conn = run.connectors or {}
         kwargs = run.kwargs
         try:
-            run = run._replace(kwargs={f: await self._resolve(v, conn) for f, v in kwargs.items()})
+            resolve = self.plane.resolve
+            run = run._replace(kwargs={f: await resolve(v, conn) for f, v in kwargs.items()})
         except BaseException as exc:
             self._running.pop(key, None)
             self._done(peer, run.call_id, run.aid, exc)
@@ -85,15 +73,9 @@ class Activations(WorkerState):
             count_reads(self._edge_bytes, run.graph, run.node, kwargs.items())
         self._run(peer, run)
 
-    async def _resolve(self, value: Any, conn: dict[str, str]) -> Any:
-        if type(value) is DataRef:
-            return await self.plane.get(value, conn.get(value.key[0], "auto"))
-        if type(value) is list or type(value) is tuple:
-            items = [await self._resolve(x, conn) for x in value]
-            return items if type(value) is list else tuple(items)
-        return value
-
     def _run(self, peer: bytes | None, run: Run) -> None:
+        # (Shell._launch runs the front's by the same rules, runtime/_drive; its ends step a
+        # call core, these go to the front as messages.)
         c, a, node, kwargs, session, group, q, graph, off, th, _conn, fw, tp = run
         # The front will send end_call (it tracks this worker for the call) when the call may
         # leave state here: per-call params, pages in a Params Pool, or offloaded outputs

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from omniflow._exceptions import RuntimeClosedError, TransportError
 from omniflow.cluster._forward import Route
 from omniflow.cluster._launch import EDGE_BYTES_ENV
 from omniflow.cluster._worker_held import DoneBatch, Fw, FwdBatch, Link
@@ -38,6 +37,7 @@ from omniflow.transport._auth import (
     Sealer,
     WireStats,
     resolve_key,
+    send_sealed_now,
 )
 from omniflow.transport._protocol import Message, Run, encode_msg
 
@@ -192,13 +192,13 @@ class WorkerState:
             self._held.setdefault(peer, []).append(frames)
             return
         endpoint = self._endpoint
-        if not self._writing and self._out.empty() and endpoint is not None:
-            try:
-                # A refused try used a counter the writer skips: gaps are allowed.
-                if endpoint.try_send(self._sealer.seal(frames), peer=peer):
-                    return
-            except (TransportError, RuntimeClosedError):
-                pass  # the writer meets the same error and forgets the peer
+        if (
+            not self._writing
+            and self._out.empty()
+            and endpoint is not None
+            and send_sealed_now(endpoint, self._sealer, frames, peer)
+        ):
+            return
         self._out.put_nowait((peer, frames))
 
     if TYPE_CHECKING:  # (each defined by one part; the others call it)

@@ -174,6 +174,8 @@ def sweep_orphans() -> list[str]:
     return removed
 
 
+# Not data/_shm.Segment: weights outlive their loader until the last user is gone (``.reaper``)
+# and carry a ready flag and manifest; a data pool's blocks die with their one owner.
 class Segment:
     """The mapped ``.data`` file: header, JSON manifest, then the tensors' bytes."""
 

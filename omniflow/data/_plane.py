@@ -24,6 +24,7 @@ back (inproc: the producer's own object).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from omniflow._exceptions import DataError, PoolExhaustedError
@@ -161,6 +162,30 @@ class DataPlane:
             return self.shm.read(ref, copy=copy)
         raise DataError(f"{ref.key} lives on {ref.host}: it needs an async pull")
 
+    def resolve_now(self, value: Any, connectors: Mapping[str, str] | None = None) -> Any:
+        """An input value (a ref, or a collected list or tuple holding refs) with each ref
+        read (``read_now``) through the connector ``connectors`` names for its producing node
+        ("auto" for one it does not name); any other value as it is. The front's shell and
+        the workers resolve inputs with this and ``resolve``."""
+        if type(value) is DataRef:
+            return self.read_now(value, _connector(value, connectors))
+        if type(value) is list or type(value) is tuple:
+            items = [
+                self.read_now(v, _connector(v, connectors)) if type(v) is DataRef else v
+                for v in value
+            ]
+            return items if type(value) is list else tuple(items)
+        return value
+
+    async def resolve(self, value: Any, connectors: Mapping[str, str] | None = None) -> Any:
+        """``resolve_now`` that also pulls refs from other hosts (``get``)."""
+        if type(value) is DataRef:
+            return await self.get(value, _connector(value, connectors))
+        if type(value) is list or type(value) is tuple:
+            items = [await self.resolve(v, connectors) for v in value]
+            return items if type(value) is list else tuple(items)
+        return value
+
     def needs_pull(self, ref: DataRef, connector: str = "auto") -> bool:
         return choose_connector(ref, connector) == "zmq"
 
@@ -217,6 +242,11 @@ _COUNTS = ("offloaded", "offloaded_bytes", "reads_inproc", "reads_shm", "pulls",
 #: Every key of ``DataPlane.statistics()``.
 STATISTICS_KEYS = ("pool_capacity_bytes", "pool_used_bytes", "pool_live_blocks", "pool_fallbacks",
                    *_COUNTS)  # fmt: skip
+
+
+def _connector(ref: DataRef, connectors: Mapping[str, str] | None) -> str:
+    """The connector an edge asked for its producer's refs (``Runtime(connectors=...)``)."""
+    return "auto" if connectors is None else connectors.get(ref.key[0], "auto")
 
 
 async def _no_pull(address: str, ref: DataRef) -> bytes:

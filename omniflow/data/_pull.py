@@ -34,6 +34,8 @@ def _lost_error(address: str, ref: DataRef) -> DataError:
     )
 
 
+# Not data/kv/_pull.PullClient (both sit on transport/_dealers.Dealers): blocks ride the worker
+# protocol (counted ids, a lost producer fails its pulls); pages cross pools (nonces, deadlines).
 class PullClient:
     """Pulls blocks from producers on other hosts over the control transport (DEALER side).
 

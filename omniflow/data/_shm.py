@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = ["Segment"]
 
 
+# Not compute/_shm.Segment: a pool's blocks die with their one owner (it unlinks them); weights
+# outlive their loader until the last user is gone (a reaper unlinks them) and carry a manifest.
 class Segment:
     """One mapping of a named shared-memory segment."""
 

@@ -241,6 +241,8 @@ class Shell:
                 return
 
     def _launch(self, call: Call, core: CallCore, act: Activation) -> None:
+        # (A worker's ``Activations._run`` runs by the same rules, runtime/_drive; its ends
+        # go to the front as messages, these step the call core at once.)
         metrics = self.metrics
         while True:  # one turn per activation of a chain of inline returns
             if metrics is not None:
@@ -477,7 +479,7 @@ class Shell:
         if plane is None:
             return act.kwargs
         try:
-            kwargs = {f: _read_refs(plane, v) for f, v in act.kwargs.items()}
+            kwargs = {f: plane.resolve_now(v) for f, v in act.kwargs.items()}
         except OmniflowError as exc:
             self._done(call, core, act, exc, not call._ready)
             return None
@@ -488,12 +490,3 @@ class Shell:
     def track(self, task: asyncio.Task[Any]) -> None:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-
-def _read_refs(plane: DataPlane, value: Any) -> Any:
-    if type(value) is DataRef:
-        return plane.read_now(value)
-    if type(value) is list or type(value) is tuple:
-        items = [plane.read_now(v) if type(v) is DataRef else v for v in value]
-        return items if type(value) is list else tuple(items)
-    return value

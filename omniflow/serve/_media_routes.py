@@ -31,17 +31,17 @@ from starlette.routing import Route
 
 from omniflow._exceptions import InputError
 from omniflow._media import Image
-from omniflow.serve._endpoints import Endpoint, graph_inputs, served
+from omniflow.serve._endpoints import Endpoint, graph_inputs
 from omniflow.serve._media_in import BadMedia, decode_audio
 from omniflow.serve._multipart import FormError, parse_form
 from omniflow.serve._openai_common import (
     admitted,
     bad_request,
+    chosen_model,
     read_json,
     request_session,
     send_failure,
     send_json,
-    unknown_model,
 )
 from omniflow.serve._stream import CallResponse
 
@@ -97,16 +97,15 @@ async def _start_transcription(request: Request, state: ServeState) -> Response 
             "file",
             "missing_required_parameter",
         )
-    model = fields.get("model")
-    if not model:
-        return bad_request(
-            "you must provide a model parameter", "model", "missing_required_parameter"
-        )
-    models = served(rt.plans, Endpoint.TRANSCRIPTIONS)
-    if model not in models:
-        return unknown_model(
-            model, models, "transcription", "a Placeholder 'audio' and an output 'text'"
-        )
+    model = chosen_model(
+        fields.get("model"),
+        rt.plans,
+        Endpoint.TRANSCRIPTIONS,
+        "transcription",
+        "a Placeholder 'audio' and an output 'text'",
+    )
+    if not isinstance(model, str):
+        return model
     fmt = fields.get("response_format", "json")
     if fmt not in ("json", "text"):
         return bad_request(
@@ -174,14 +173,11 @@ async def _start_images(request: Request, state: ServeState) -> Response | CallR
     body = await read_json(request)
     if not isinstance(body, dict):
         return body
-    model = body.get("model")
+    model = chosen_model(
+        body.get("model"), rt.plans, Endpoint.IMAGES, "image", "a Placeholder 'prompt'"
+    )
     if not isinstance(model, str):
-        return bad_request(
-            "you must provide a model parameter (a string)", "model", "missing_required_parameter"
-        )
-    models = served(rt.plans, Endpoint.IMAGES)
-    if model not in models:
-        return unknown_model(model, models, "image", "a Placeholder 'prompt'")
+        return model
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         return bad_request("'prompt' must be a non-empty string", "prompt")

@@ -12,7 +12,7 @@ the call ended well (``_openai``, ``_speech``, ``_media_routes``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from omniflow._exceptions import InputError, NodeError
 from omniflow.serve._codec import ValueDecodingError, dumps, loads
+from omniflow.serve._endpoints import Endpoint, served
 from omniflow.serve._limits import bad_session
 from omniflow.serve._stream import CallResponse, call_status
 
@@ -34,6 +35,7 @@ __all__ = [
     "admitted",
     "bad_request",
     "call_failure",
+    "chosen_model",
     "error_message",
     "openai_error",
     "read_json",
@@ -75,6 +77,22 @@ def unknown_model(model: str, models: list[str], what: str, shape: str) -> Respo
         param="model",
         code="model_not_found",
     )
+
+
+def chosen_model(
+    model: Any, plans: Mapping[str, Any], endpoint: Endpoint, what: str, shape: str
+) -> str | Response:
+    """The graph a request's ``model`` names among those of ``plans`` that serve ``endpoint``
+    (``what``, graphs of ``shape``), or the 400 (none named) or 404 (``unknown_model``) that
+    says why not: speech, transcriptions and images check the field alike."""
+    models = served(plans, endpoint)
+    if not isinstance(model, str) or not model:
+        return bad_request(
+            "you must provide a model parameter (a string)", "model", "missing_required_parameter"
+        )
+    if model not in models:
+        return unknown_model(model, models, what, shape)
+    return model
 
 
 async def read_json(

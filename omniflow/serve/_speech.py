@@ -37,16 +37,16 @@ from starlette.routing import Route
 from omniflow._exceptions import InputError
 from omniflow._media import Audio
 from omniflow.serve._codec import dumps
-from omniflow.serve._endpoints import Endpoint, graph_inputs, served
+from omniflow.serve._endpoints import Endpoint, graph_inputs
 from omniflow.serve._limits import bad_session
 from omniflow.serve._openai_common import (
     SESSION_HEADER,
     admitted,
     bad_request,
     call_failure,
+    chosen_model,
     read_json,
     send_json,
-    unknown_model,
 )
 from omniflow.serve._pcm import PcmStream, wav_header
 from omniflow.serve._stream import CallResponse, call_status
@@ -73,12 +73,11 @@ async def _start_speech(request: Request, state: ServeState) -> Response | CallR
     body = await read_json(request)
     if not isinstance(body, dict):
         return body
-    models = served(rt.plans, Endpoint.SPEECH)
-    model = body.get("model")
+    model = chosen_model(
+        body.get("model"), rt.plans, Endpoint.SPEECH, "speech", "a Placeholder 'input'"
+    )
     if not isinstance(model, str):
-        return bad_request("you must provide a model parameter (a string)", "model")
-    if model not in models:
-        return unknown_model(model, models, "speech", "a Placeholder 'input'")
+        return model
     text = body.get("input")
     if not isinstance(text, str) or not text:
         return bad_request("'input' must be a non-empty string: the text to speak", "input")

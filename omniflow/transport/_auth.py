@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omniflow._exceptions import TransportError
+from omniflow._exceptions import RuntimeClosedError, TransportError
 
 __all__ = [
     "BULK_BYTES",
@@ -77,6 +77,7 @@ __all__ = [
     "opener_for",
     "resolve_key",
     "sealer_for",
+    "send_sealed_now",
 ]
 
 #: Environment variable holding the cluster key (text).
@@ -353,6 +354,21 @@ def sealer_for(endpoint: Any, key: bytes) -> Sealer | PlainSealer:
     """The sealer for what ``endpoint`` sends: plain where its connections are authenticated
     (``Endpoint.authenticated``), else under ``key``."""
     return PlainSealer() if endpoint.authenticated else Sealer(key)
+
+
+def send_sealed_now(
+    endpoint: Any, sealer: Sealer | PlainSealer, frames: Sequence[Any], peer: bytes | None = None
+) -> bool:
+    """Seal ``frames`` and send them at once if that cannot block (``Endpoint.try_send``):
+    no writer wake-up on a hop's critical path. False: the caller queues them behind what
+    waits, for its writer, which sends them in order and meets any error swallowed here (it
+    declares the peer lost). A refused try used a counter the writer skips: gaps are allowed.
+    The one rule of the front's runs, the worker's answers and its forward links."""
+    try:
+        ok: bool = endpoint.try_send(sealer.seal(frames), peer=peer)
+    except (TransportError, RuntimeClosedError):
+        return False
+    return ok
 
 
 def opener_for(endpoint: Any, key: bytes, stats: WireStats) -> Opener | PlainOpener:

@@ -228,6 +228,8 @@ class _ZmqEndpoint(Endpoint):
                 os.unlink(self._ipc_path)
 
 
+# ROUTER/DEALER again beside _uds by design: one Endpoint contract (_base, tests/transport/
+# test_endpoints.py over every scheme); this one crosses hosts (tcp) through libzmq.
 class ZmqTransport(Transport):
     """Serves ``ipc://`` and ``tcp://`` with one pyzmq context per process.
 

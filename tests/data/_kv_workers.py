@@ -26,6 +26,20 @@ def page_bytes(key: str) -> dict[tuple[str, str], torch.Tensor]:
     }
 
 
+async def publish_into_l2(pool: of.ParamsPool) -> None:
+    """Publish the PAGES-page chain ``keys()`` from ``pool`` and push it down to its L2
+    (shared memory, where other processes on the host read it in place)."""
+    slots = await pool.alloc("turn-1", PAGES)
+    for key, slot in zip(keys(), slots, strict=True):
+        for (sub, sl), t in page_bytes(key).items():
+            pool.view(slot, sub, sl).copy_(t)
+    await pool.publish("chat", keys(), slots)
+    await pool.release("turn-1")
+    await pool.alloc("burst", PAGES)  # the chain moves down to L2
+    await pool.release("burst")
+    assert pool.stats()["pages"]["l2"] == PAGES
+
+
 def provider(url: str, info: Any, b_read: Any, a_wrote: Any, done: Any) -> None:
     """Process A: publish a 32-page chain, move it to L2, then prove B reads A's memory."""
     asyncio.run(_provider(url, info, b_read, a_wrote, done))
@@ -34,15 +48,7 @@ def provider(url: str, info: Any, b_read: Any, a_wrote: Any, done: Any) -> None:
 async def _provider(url: str, info: Any, b_read: Any, a_wrote: Any, done: Any) -> None:
     pool = of.ParamsPool("kv", LAYOUT, {"l1": PAGES, "l2": 2 * PAGES}, metadata=url)
     try:
-        slots = await pool.alloc("turn-1", PAGES)
-        for key, slot in zip(keys(), slots, strict=True):
-            for (sub, sl), t in page_bytes(key).items():
-                pool.view(slot, sub, sl).copy_(t)
-        await pool.publish("chat", keys(), slots)
-        await pool.release("turn-1")
-        await pool.alloc("burst", PAGES)  # the chain moves down to L2 (shared memory)
-        await pool.release("burst")
-        assert pool.stats()["pages"]["l2"] == PAGES
+        await publish_into_l2(pool)
         info.put(pool.node)
         await asyncio.get_running_loop().run_in_executor(None, b_read.wait, 60)
         first = pool._core.lookup(keys()[0])
@@ -65,15 +71,7 @@ async def _doomed_provider(url: str, info: Any) -> None:
     pool = of.ParamsPool(
         "kv", LAYOUT, {"l1": PAGES, "l2": 2 * PAGES}, metadata=url, provider_ttl=600.0
     )
-    slots = await pool.alloc("turn-1", PAGES)
-    for key, slot in zip(keys(), slots, strict=True):
-        for (sub, sl), t in page_bytes(key).items():
-            pool.view(slot, sub, sl).copy_(t)
-    await pool.publish("chat", keys(), slots)
-    await pool.release("turn-1")
-    await pool.alloc("burst", PAGES)  # the chain moves down to L2 (shared memory)
-    await pool.release("burst")
-    assert pool.stats()["pages"]["l2"] == PAGES
+    await publish_into_l2(pool)
     assert pool._store is not None
     info.put((pool.node, pool._store.prefix, len(LAYOUT.coords())))
     await asyncio.sleep(3600)  # until killed

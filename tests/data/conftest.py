@@ -1,13 +1,15 @@
-"""Fixtures for the data-plane tests: pools that are validated and closed, and a leak check."""
+"""Fixtures for the data-plane tests: pools (buffer pools, Params Pools) that are validated and
+closed, and a leak check."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 
+import omniflow as of
 from omniflow.data import SharedBufferPool, _shm
 
 
@@ -42,3 +44,21 @@ def make_pool() -> Iterator[Callable[..., SharedBufferPool]]:
         if not pool.closed:
             pool.validate()
         pool.close()
+
+
+@pytest.fixture
+async def params_pools() -> AsyncIterator[Callable[..., of.ParamsPool]]:
+    """``params_pools(layout=..., name="kv", **kwargs)``: ParamsPools validated at teardown
+    (those still open), then closed. Test files bind their layout and capacity (``make``)."""
+    pools: list[of.ParamsPool] = []
+
+    def make(*, layout: of.PageLayout, name: str = "kv", **kwargs: Any) -> of.ParamsPool:
+        pool = of.ParamsPool(name, layout, **kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        if not pool.closed and pool._store is not None:
+            pool.validate()
+        await pool.aclose()

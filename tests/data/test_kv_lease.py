@@ -9,8 +9,9 @@ provider for the chain, and waits for other nodes out of one budget per match.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -110,18 +111,9 @@ async def no_leftovers(pool: of.ParamsPool, meta: Any) -> None:
 
 
 @pytest.fixture
-async def make() -> AsyncIterator[Callable[..., of.ParamsPool]]:
-    pools: list[of.ParamsPool] = []
-
-    def factory(**kwargs: Any) -> of.ParamsPool:
-        kwargs.setdefault("capacity", {"l1": 8, "l2": 16, "l3": 0})
-        pool = of.ParamsPool("kv", LAYOUT, **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield factory
-    for pool in pools:
-        await pool.aclose()
+def make(params_pools: Callable[..., of.ParamsPool]) -> Callable[..., of.ParamsPool]:
+    """Pools named "kv" on LAYOUT (``layout=``, ``name=``, ``capacity=`` override)."""
+    return functools.partial(params_pools, layout=LAYOUT, capacity={"l1": 8, "l2": 16, "l3": 0})
 
 
 @pytest.fixture(params=["memory", "redis"])  # (before ``make``: Redis outlives the pools)

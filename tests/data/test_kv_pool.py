@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,20 +22,9 @@ LAYOUT = of.PageLayout(("l0", "l1"), {"k": (2, 4), "v": (2, 4)}, page_tokens=4, 
 
 
 @pytest.fixture
-async def make() -> AsyncIterator[Callable[..., of.ParamsPool]]:
-    pools: list[of.ParamsPool] = []
-
-    def factory(**kwargs: Any) -> of.ParamsPool:
-        kwargs.setdefault("capacity", {"l1": 8, "l2": 8, "l3": 0})
-        pool = of.ParamsPool(kwargs.pop("name", "kv"), kwargs.pop("layout", LAYOUT), **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield factory
-    for pool in pools:
-        if not pool.closed and pool._store is not None:
-            pool.validate()
-        await pool.aclose()
+def make(params_pools: Callable[..., of.ParamsPool]) -> Callable[..., of.ParamsPool]:
+    """Pools named "kv" on LAYOUT (``layout=``, ``name=``, ``capacity=`` override)."""
+    return functools.partial(params_pools, layout=LAYOUT, capacity={"l1": 8, "l2": 8, "l3": 0})
 
 
 def fill_page(pool: of.ParamsPool, slot: int, seed: int) -> dict[tuple[str, str], torch.Tensor]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,20 +29,9 @@ PAGES = 4
 
 
 @pytest.fixture
-async def make() -> AsyncIterator[Callable[..., of.ParamsPool]]:
-    pools: list[of.ParamsPool] = []
-
-    def factory(**kwargs: Any) -> of.ParamsPool:
-        kwargs.setdefault("capacity", {"l1": 8, "l2": 8, "l3": 0})
-        pool = of.ParamsPool("kv", LAYOUT, **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield factory
-    for pool in pools:
-        if not pool.closed and pool._store is not None:
-            pool.validate()
-        await pool.aclose()
+def make(params_pools: Callable[..., of.ParamsPool]) -> Callable[..., of.ParamsPool]:
+    """Pools named "kv" on LAYOUT (``layout=``, ``name=``, ``capacity=`` override)."""
+    return functools.partial(params_pools, layout=LAYOUT, capacity={"l1": 8, "l2": 8, "l3": 0})
 
 
 def keys() -> list[str]:

@@ -200,6 +200,39 @@ def test_choose_connector(plane: DataPlane) -> None:
     plane.cleanup("c1")
 
 
+async def test_resolve_reads_refs_in_values_and_collected_lists_by_each_edges_connector(
+    plane: DataPlane,
+) -> None:
+    """``resolve_now`` / ``resolve``: what the front's shell and the workers use on inputs."""
+    t = torch.randn(32, 32)
+    a = np.arange(KB, dtype=np.float32)
+    refs = plane.offload("n.run", "c1", 1, 0, {"t": t, "a": a}, ["t", "a"])
+    other_host = elsewhere(refs["a"], host="elsewhere.example", source="tcp://10.0.0.2:5555")
+    assert plane.resolve_now(refs["t"]) is t  # auto: in process, the producer's own object
+    # The connector named for the producing node ("n.run") holds for every ref it made.
+    via_shm = plane.resolve_now(refs["t"], {"n.run": "shm"})
+    assert via_shm is not t and torch.equal(via_shm, t)
+    assert plane.resolve_now(refs["t"], {"other": "shm"}) is t
+    listed = plane.resolve_now([refs["t"], 7, refs["a"]])
+    assert type(listed) is list and listed[0] is t and listed[1] == 7 and listed[2] is a
+    assert plane.resolve_now((7, refs["a"])) == (7, a)
+    assert plane.resolve_now({"k": refs["a"]}) == {"k": refs["a"]}  # (only values and lists)
+    with pytest.raises(of.DataError, match="needs an async pull"):
+        plane.resolve_now([other_host])
+
+    async def pull(address: str, r: DataRef) -> memoryview:
+        return plane.serve_pull(r.handle)
+
+    consumer = DataPlane(pull=pull)
+    got = await consumer.resolve((other_host, "x"))
+    assert type(got) is tuple and got[1] == "x" and np.array_equal(got[0], a)
+    assert (await consumer.resolve([[other_host]]))[0][0].tolist() == a.tolist()
+    assert await consumer.resolve(3) == 3
+    assert consumer.statistics()["pulls"] == 2
+    plane.cleanup("c1")
+    consumer.close()
+
+
 # ---------------------------------------------------------------- zmq: pulls and deadlines
 
 

@@ -11,20 +11,12 @@ from PIL import ImageDraw, ImageFont
 
 import omniflow as of
 
+from ._sentences import SENTENCES
+
 pytest.importorskip("pocketsphinx")
 pytest.importorskip("rapidocr_onnxruntime")
 if shutil.which("espeak-ng") is None:  # pragma: no cover - scripts/test.sh installs it
     pytest.skip("espeak-ng is not installed", allow_module_level=True)
-
-#: The issue's six sentences.
-SENTENCES = (
-    "what is the weather like today",
-    "please open the front door for me",
-    "the quick brown fox jumps over the lazy dog",
-    "tell me a story about a cat",
-    "i would like to order a pizza",
-    "how far is the moon from the earth",
-)
 
 
 @pytest.mark.slow

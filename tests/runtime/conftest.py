@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -48,14 +49,16 @@ def ray_local() -> Any:
         ray.shutdown()
 
 
-@pytest.fixture
-async def runtime() -> AsyncIterator[Callable[..., Any]]:
-    """Factory: ``rt = await runtime(graph, ...)``; every runtime is checked and closed after."""
+@contextlib.asynccontextmanager
+async def started_runtimes(
+    build: Callable[..., of.Runtime],
+) -> AsyncIterator[Callable[..., Awaitable[of.Runtime]]]:
+    """``rt = await make(graph, ...)``: ``build(graph, ...)`` started; at exit every runtime
+    is checked for work left behind (``ZERO``) and closed."""
     opened: list[of.Runtime] = []
 
     async def make(*graphs: of.Graph, **kw: Any) -> of.Runtime:
-        kw.setdefault("validate", True)
-        rt = of.Runtime(*graphs, **kw)
+        rt = build(*graphs, **kw)
         await rt.start()
         opened.append(rt)
         return rt
@@ -65,3 +68,14 @@ async def runtime() -> AsyncIterator[Callable[..., Any]]:
         stats = rt.stats()
         await rt.close()
         assert stats == ZERO, f"runtime left work behind: {stats}"
+
+
+def _validated(*graphs: of.Graph, **kw: Any) -> of.Runtime:
+    return of.Runtime(*graphs, **{"validate": True, **kw})
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[Callable[..., Awaitable[of.Runtime]]]:
+    """Factory: ``rt = await runtime(graph, ...)``; every runtime is checked and closed after."""
+    async with started_runtimes(_validated) as make:
+        yield make

@@ -25,16 +25,9 @@ from omniflow.runtime._batcher import BatchEntry, Batcher, EntryState
 from omniflow.runtime._batching import BatchQueue
 
 from . import batch_graphs as bg
-from .random_graph_module import Model, World, build
+from .random_graph_module import Model
 from .test_placement import eventually, placement, runtime  # noqa: F401 (fixtures)
-from .test_random_graphs import (
-    HANG_S,
-    check_calls,
-    check_session_fifo,
-    models,
-    parsed,
-    run_calls,
-)
+from .test_random_graphs import check_model, models
 
 # ------------------------------------------------------------------ the pure queue
 
@@ -495,10 +488,4 @@ def batched_models(draw: st.DrawFn) -> Model:
 def test_batched_graphs_give_the_unbatched_frames(model: Model, seed: int) -> None:
     """Each call's frames equal the sequential reference's (what the unbatched graph gives,
     test_random_graphs.py), every rule the methods check holds, and session calls stay FIFO."""
-    world = World(model, seed)
-    graph = build(world)
-    plan = parsed(world, graph)
-    results = asyncio.run(asyncio.wait_for(run_calls(world, graph), HANG_S))
-    assert not world.violations, world.violations
-    check_calls(world, plan, results)
-    check_session_fifo(world)
+    check_model(model, seed)

@@ -16,6 +16,7 @@ constructor says exactly that; every other error fails the test.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,10 +28,7 @@ import pytest
 import omniflow as of
 
 from . import scenario_graphs as sg
-
-GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
-
-ZERO = {"open_buckets": 0, "inflight": 0, "active_calls": 0, "data_plane_bytes": 0}
+from .conftest import GRAPHS, ZERO, started_runtimes
 
 
 @pytest.fixture(params=["inproc", "process", "ray"])
@@ -61,19 +59,8 @@ Factory = Callable[..., Any]
 async def runtime(placement: str) -> AsyncIterator[Factory]:
     """Factory: ``rt = await runtime(graph, ...)`` for the test's placement; every runtime is
     checked for leftover work and closed after the test."""
-    opened: list[of.Runtime] = []
-
-    async def make(*graphs: of.Graph, **kw: Any) -> of.Runtime:
-        rt = build(placement, *graphs, **kw)
-        await rt.start()
-        opened.append(rt)
-        return rt
-
-    yield make
-    for rt in opened:
-        stats = rt.stats()
-        await rt.close()
-        assert stats == ZERO, f"runtime left work behind: {stats}"
+    async with started_runtimes(functools.partial(build, placement)) as make:
+        yield make
 
 
 def graph_file(name: str) -> of.Graph:

@@ -255,7 +255,7 @@ def test_forwards_held_for_a_worker_lost_in_the_same_batch_are_dropped_not_linke
         def __init__(self, address: str) -> None:
             self.address = address
 
-        def try_send(self, frames: list[Any]) -> bool:
+        def try_send(self, frames: list[Any], peer: bytes | None = None) -> bool:
             sent.append(self.address)
             return True
 

@@ -60,20 +60,15 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
 
 async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
     """True when the server closes the connection (EOF or reset) within ``seconds``."""
-    try:
-        data = await asyncio.wait_for(reader.read(65536), seconds)
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True
-    while data:  # a response first, then EOF
+    while True:  # (a response may come first, then EOF)
         try:
             data = await asyncio.wait_for(reader.read(65536), seconds)
         except TimeoutError:
             return False
         except ConnectionError:
             return True
-    return True
+        if not data:
+            return True
 
 
 def _post_head(

@@ -23,17 +23,14 @@ import omniflow as of
 from omniflow.serve._pcm import resample
 
 from ._media_graphs import RATE, word_audio
-from .conftest import ServerProc, metric, run_server
+from ._openai_client import OPENAI_WS_WARNING, STATS, respond, runtime_stats, turn, until, user
+from .conftest import ServerProc, run_server
 
 MEDIA = str(Path(__file__).with_name("_media_graphs.py"))
 AUDIO_WAV = {"voice": "alloy", "format": "wav"}
 AUDIO_PCM = {"voice": "alloy", "format": "pcm16"}
 TEXT = "the quick brown fox"
 KEY = "s3cret-key"
-
-
-def user(content: Any) -> list[Any]:
-    return [{"role": "user", "content": content}]
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +44,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 def client(server: ServerProc) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
         yield c
-
-
-#: The server's ``rt.stats()`` and calls in flight, as /metrics exposes them.
-STATS = (
-    "omniflow_open_buckets",
-    "omniflow_inflight_activations",
-    "omniflow_active_calls",
-    "omniflow_data_plane_held_bytes",
-    "omniflow_http_calls_inflight",
-)
-
-
-def _runtime_stats(server: ServerProc) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", headers={"x-api-key": KEY}).text
-    assert all(f"\n{name} " in text for name in STATS), text  # (metric() reads absent as 0)
-    return {name: metric(text, name) for name in STATS}
 
 
 def _wav(data: bytes) -> tuple[int, np.ndarray]:
@@ -257,6 +238,38 @@ def test_speech_errors(client: openai.OpenAI) -> None:
         client.audio.speech.create(model="talker", voice="a", input="x")
 
 
+@pytest.mark.parametrize(
+    ("model", "status", "code"),
+    [(None, 400, "missing_required_parameter"), ("", 400, "missing_required_parameter"),
+     (3, 400, "missing_required_parameter"), ("nope", 404, "model_not_found")],
+)  # fmt: skip
+def test_speech_transcriptions_and_images_name_a_missing_or_unknown_model_alike(
+    server: ServerProc, model: Any, status: int, code: str
+) -> None:
+    wav = of.Audio(np.zeros(320, np.int16), sample_rate=16000).to_wav()
+    given = {} if model is None else {"model": model}
+    answers = [
+        httpx.post(server.url + path, json={**given, **body}, headers={"x-api-key": KEY})
+        for path, body in (
+            ("/v1/audio/speech", {"input": "x"}),
+            ("/v1/images/generations", {"prompt": "x"}),
+        )
+    ]
+    if not isinstance(model, int):  # (a form field is text)
+        answers.append(
+            httpx.post(
+                server.url + "/v1/audio/transcriptions",
+                data=given,
+                files={"file": ("a.wav", wav, "audio/wav")},
+                headers={"x-api-key": KEY},
+            )
+        )
+    for r in answers:
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("model", code), error
+
+
 def test_transcriptions_multipart(client: openai.OpenAI) -> None:
     wav = of.Audio(np.zeros(3200, np.int16), sample_rate=16000).to_wav()
     t = client.audio.transcriptions.create(
@@ -286,43 +299,18 @@ def test_images_b64_png(client: openai.OpenAI) -> None:
 
 # -- realtime ---------------------------------------------------------------------------------
 
-#: The openai client opens its realtime WebSocket with websockets' ``connect()`` outside a
-#: ``with`` (its own code, not ours), which websockets >= 17.1 warns about.
-_OPENAI_WS_WARNING = pytest.mark.filterwarnings(
-    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
-)
+
+def _pcm(n: int) -> bytes:
+    return (np.sin(np.arange(n) / 5) * 900).astype("<i2").tobytes()
 
 
-def _until(rt: Any, kind: str) -> list[Any]:
-    """Events up to and including the first of type ``kind``."""
-    seen = []
-    while True:
-        event = rt.recv()
-        seen.append(event)
-        if event.type == kind:
-            return seen
-
-
-def _pcm_b64(n: int) -> str:
-    return base64.b64encode((np.sin(np.arange(n) / 5) * 900).astype("<i2").tobytes()).decode()
-
-
-@_OPENAI_WS_WARNING
+@OPENAI_WS_WARNING
 def test_realtime_turn(client: openai.OpenAI, server: ServerProc) -> None:
     with client.realtime.connect(model="talker") as rt:
         assert rt.recv().type == "session.created"
         rt.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
         assert rt.recv().type == "session.updated"
-        rt.input_audio_buffer.append(audio=_pcm_b64(4800))
-        rt.input_audio_buffer.commit()
-        rt.response.create()
-        events = _until(rt, "response.done")
-        kinds = [e.type for e in events]
-        assert kinds[:3] == [
-            "input_audio_buffer.committed",
-            "conversation.item.created",
-            "response.created",
-        ]
+        events = respond(rt, _pcm(4800))
         said = "".join(e.delta for e in events if e.type.endswith("transcript.delta"))
         assert said == "heard 4800 samples at 24000 Hz"
         pcm = b"".join(
@@ -337,14 +325,14 @@ def test_realtime_turn(client: openai.OpenAI, server: ServerProc) -> None:
         )  # fmt: skip
         rt.session.update(session={"type": "realtime", "output_modalities": ["text"]})
         rt.response.create()
-        events = _until(rt, "response.done")
+        events = until(rt, "response.done")
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
             "again"
         )
         assert not any(e.type == "response.output_audio.delta" for e in events)
 
 
-@_OPENAI_WS_WARNING
+@OPENAI_WS_WARNING
 @pytest.mark.parametrize("how", ["cancel", "barge_in"])
 def test_realtime_cancel_and_barge_in(client: openai.OpenAI, server: ServerProc, how: str) -> None:
     with client.realtime.connect(model="talker") as rt:
@@ -360,15 +348,14 @@ def test_realtime_cancel_and_barge_in(client: openai.OpenAI, server: ServerProc,
         if how == "cancel":
             rt.response.cancel()
         else:
-            rt.input_audio_buffer.append(audio=_pcm_b64(2400))
-            rt.input_audio_buffer.commit()
-        done = _until(rt, "response.done")[-1]
+            turn(rt, _pcm(2400))
+        done = until(rt, "response.done")[-1]
         assert done.response.status == "cancelled"
         reason = "client_cancelled" if how == "cancel" else "turn_detected"
         assert done.response.status_details.reason == reason
         # Nothing of the cancelled response follows its response.done.
         rt.session.update(session={"type": "realtime", "instructions": "be brief"})
-        after = _until(rt, "session.updated")
+        after = until(rt, "session.updated")
         assert [e.type for e in after if e.type.startswith("response.")] == []
         # The session goes on: a new response runs (the conversation holds the user's turn).
         rt.conversation.item.create(
@@ -376,10 +363,10 @@ def test_realtime_cancel_and_barge_in(client: openai.OpenAI, server: ServerProc,
                   "content": [{"type": "input_text", "text": "ok"}]}
         )  # fmt: skip
         rt.response.create()
-        last = _until(rt, "response.done")[-1]
+        last = until(rt, "response.done")[-1]
         assert last.response.status == "completed"
     # The cancelled call was cancelled, not left running: the server's rt.stats() is empty.
-    assert _runtime_stats(server) == dict.fromkeys(STATS, 0.0)
+    assert runtime_stats(server, KEY) == dict.fromkeys(STATS, 0.0)
 
 
 def test_realtime_needs_the_api_key(server: ServerProc) -> None:

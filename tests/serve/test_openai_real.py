@@ -23,8 +23,10 @@ from PIL import Image as PILImage
 from PIL import ImageDraw, ImageFont
 
 import omniflow as of
+from tests.roles._sentences import SENTENCES
 
-from .conftest import ROOT, ServerProc, metric, run_server
+from ._openai_client import OPENAI_WS_WARNING, STATS, respond, runtime_stats, turn, until, user
+from .conftest import ROOT, ServerProc, run_server
 
 pytest.importorskip("pocketsphinx")
 pytest.importorskip("rapidocr_onnxruntime")
@@ -32,24 +34,11 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(120),
     pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng"),
-    # The openai client opens its realtime WebSocket with websockets' connect() outside a
-    # ``with`` (its code, not ours), which websockets >= 17.1 warns about.
-    pytest.mark.filterwarnings(
-        "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
-    ),
+    OPENAI_WS_WARNING,
 ]
 
 GRAPHS = [str(ROOT / "graphs" / g) for g in ("voice_chat.py", "read_aloud.py", "omni_chat.py",
                                              "t2i_unified.py")]  # fmt: skip
-#: The issue's six sentences.
-SENTENCES = (
-    "what is the weather like today",
-    "please open the front door for me",
-    "the quick brown fox jumps over the lazy dog",
-    "tell me a story about a cat",
-    "i would like to order a pizza",
-    "how far is the moon from the earth",
-)
 WAV = {"voice": "alloy", "format": "wav"}
 PCM = {"voice": "alloy", "format": "pcm16"}
 GREEDY = {"temperature": 0, "seed": 7}
@@ -68,10 +57,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 def client(server: ServerProc) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0) as c:
         yield c
-
-
-def user(content: Any) -> list[Any]:
-    return [{"role": "user", "content": content}]
 
 
 def speech_pcm(text: str) -> bytes:
@@ -135,7 +120,6 @@ async def test_first_audio_leaves_before_the_last_text(inproc: Any) -> None:
     is still being generated. Deterministic: the scripted answer (``_ttfa_graph``) goes on
     only once the real TTS made the first sentence's speech, so were it not streamed the call
     would hang (a hang guard fails it); the first audio chunk precedes the last text chunk."""
-    import httpx
 
     s = await inproc(str(Path(__file__).with_name("_ttfa_graph.py")))
     transport = httpx.ASGITransport(app=s.app)
@@ -244,36 +228,6 @@ def test_bad_media_is_400_naming_the_part(client: openai.OpenAI) -> None:
 
 # -- realtime ---------------------------------------------------------------------------------
 
-#: The server's ``rt.stats()`` and calls in flight, as /metrics exposes them.
-STATS = (
-    "omniflow_open_buckets",
-    "omniflow_inflight_activations",
-    "omniflow_active_calls",
-    "omniflow_data_plane_held_bytes",
-    "omniflow_http_calls_inflight",
-)
-
-
-def runtime_stats(server: ServerProc) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics").text
-    assert all(f"\n{name} " in text for name in STATS), text
-    return {name: metric(text, name) for name in STATS}
-
-
-def until(rt: Any, kind: str) -> list[Any]:
-    """Events up to and including the first of type ``kind``."""
-    seen = []
-    while True:
-        event = rt.recv()
-        seen.append(event)
-        if event.type == kind:
-            return seen
-
-
-def turn(rt: Any, pcm: bytes) -> None:
-    rt.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
-    rt.input_audio_buffer.commit()
-
 
 def test_realtime_voice_turns_reuse_the_cached_prefix(client: openai.OpenAI) -> None:
     with client.realtime.connect(model="voice_chat") as rt:
@@ -284,15 +238,7 @@ def test_realtime_voice_turns_reuse_the_cached_prefix(client: openai.OpenAI) -> 
         assert rt.recv().type == "session.updated"
         usages = []
         for sentence in ("tell me a story about a cat", "how far is the moon from the earth"):
-            turn(rt, speech_pcm(sentence))
-            rt.response.create()
-            events = until(rt, "response.done")
-            kinds = [e.type for e in events]
-            assert kinds[:3] == [
-                "input_audio_buffer.committed",
-                "conversation.item.created",
-                "response.created",
-            ]
+            events = respond(rt, speech_pcm(sentence))
             said = "".join(
                 e.delta for e in events if e.type == "response.output_audio_transcript.delta"
             )

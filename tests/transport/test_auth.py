@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omniflow import TransportError
+from omniflow import RuntimeClosedError, TransportError
 from omniflow.transport import encode
 from omniflow.transport._auth import (
     BULK_BYTES,
@@ -25,6 +25,7 @@ from omniflow.transport._auth import (
     _HmacSha256,
     load_key_file,
     resolve_key,
+    send_sealed_now,
 )
 from omniflow.transport._protocol import (
     MAX_BATCH,
@@ -219,6 +220,37 @@ def test_replays_and_reorders_are_refused_per_sender(plan: list[tuple[int, int]]
         if expected:
             last[who] = index
     assert opener.stats.accepted + opener.stats.dropped["replay"] == len(plan)
+
+
+def test_send_sealed_now_leaves_refusals_and_errors_to_the_callers_writer() -> None:
+    """The front's runs, the worker's answers and its forward links send through this: True
+    only when the endpoint took the sealed message; a full endpoint or a failing one leaves
+    the message to the caller's queue (whose writer meets the error and handles the loss)."""
+    key = b"k" * 32
+    sealer, opener = Sealer(key), Opener(key)
+    sent: list[tuple[Any, bytes | None]] = []
+    outcome: list[Any] = [True]
+
+    class Endpoint:
+        def try_send(self, frames: Any, peer: bytes | None = None) -> bool:
+            if isinstance(outcome[0], BaseException):
+                raise outcome[0]
+            sent.append((frames, peer))
+            return bool(outcome[0])
+
+    ep = Endpoint()
+    assert send_sealed_now(ep, sealer, [b"a"], b"peer-1") is True
+    outcome[0] = False
+    assert send_sealed_now(ep, sealer, [b"b"]) is False  # full: queued by the caller
+    for error in (TransportError("gone"), RuntimeClosedError("closed")):
+        outcome[0] = error
+        assert send_sealed_now(ep, sealer, [b"c"]) is False
+    outcome[0] = True
+    assert send_sealed_now(ep, sealer, [b"d"]) is True
+    assert [peer for _, peer in sent] == [b"peer-1", None, None]
+    # Each try used a counter; the receiver accepts the gaps the refused tries left.
+    opened = [opener.open(frames) for frames, _ in sent]
+    assert [[bytes(f) for f in frames or []] for frames in opened] == [[b"a"], [b"b"], [b"d"]]
 
 
 def test_cluster_keys_come_from_the_argument_the_env_or_a_file(

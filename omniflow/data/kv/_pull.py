@@ -133,6 +133,8 @@ class PullServer:
             self._ep.close()
 
 
+# Not data/_pull.PullClient (both sit on transport/_dealers.Dealers): pages cross pools with
+# random nonces, no pickle and a deadline; blocks ride the worker protocol with counted ids.
 class PullClient:
     """One DEALER (and one sealer) per provider address; answers matched to requests by a
     random nonce, authenticated before they are decoded."""
