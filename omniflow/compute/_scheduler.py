@@ -16,13 +16,16 @@ token, and samples nothing until the input is closed.
 The scheduler also owns the engine's page budget. It keeps a ledger of the pool pages its
 sequences pin (a prefix page that several sequences matched counts once) until the shell
 reports them released, and walks the plan in order: a sequence whose new pages fit the budget
-gets an ``ALLOC``; one that does not is preempted (``PREEMPT``: its pages are released and it
-waits at the head of the queue, its tokens kept, its KV recomputed later), or, when nothing
-else runs and no finished sequence is about to give pages back, fails (``FAIL``). The pool has
-the last word: when it refuses an ``ALLOC`` the budget allowed (its pages are shared with other
-users), the shell reports ``refused`` and the scheduler decides that sequence's fate the same
-way and replans the rest of the step. The async shell carries the ``io`` out in order (pool
-calls, page views) and reports back: ``allocated``, ``preempted``, ``released``.
+gets an ``ALLOC``; one that does not preempts the newest sequences running after it when
+their pages make room (``PREEMPT``: pages released, the sequence waits at the head of the
+queue, its tokens kept, its KV recomputed later), and is preempted itself otherwise; when
+nothing else runs and no finished sequence is about to give pages back it fails (``FAIL``), as
+does one whose own pages pass the budget. So the oldest running sequence advances and no two
+sequences take turns preempting each other. The pool has the last word: when it refuses an
+``ALLOC`` the budget allowed (its pages are shared with other users), the shell reports
+``refused``; the scheduler decides the same way and replans the rest of the step. The shell
+carries the ``io`` out in order (pool calls, page views) and reports back: ``allocated``,
+``preempted``, ``released``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class PageIO:
 
     op: PageOp  #: what to do
     seq: Sequence  #: for which sequence
-    pages: int = 0  #: ALLOC: pages to allocate; PREEMPT: distinct pages the sequence held
+    pages: int = 0  #: ALLOC: pages to allocate; PREEMPT, FAIL: distinct pages it held
     why: str = ""  #: PREEMPT/FAIL: the budget or the pool's refusal that decided it
 
 
@@ -158,32 +161,60 @@ class Scheduler(RunQueues[Sequence]):
         return plan
 
     def refused(self, plan: StepPlan, seq: Sequence, why: str) -> None:
-        """The pool refused ``seq``'s ``ALLOC`` (the shell popped it): ``seq`` is preempted or
-        fails, and the rest of the step is replanned with its pages given back."""
+        """The pool refused ``seq``'s ``ALLOC`` (the shell popped it): the newest sequence
+        running after it is preempted and ``seq`` asks again; with none, ``seq`` itself is
+        preempted or fails. The rest of the step is replanned with the pages given back."""
         k = next(i for i, (s, _) in enumerate(plan.items) if s is seq)
         at = next(i for i, (s, _) in enumerate(plan.scheduled) if s is seq)
         gone: Counter[int] = Counter()
-        fate = self._evict(seq, gone, set(), why)
-        kept, io = self._place(plan.scheduled[at + 1 :], gone, {seq.request_id})
+        victim = self._victim(seq, set())
+        if victim is None:
+            first = self._evict(seq, gone, set(), why)
+            out, tail = {seq.request_id}, plan.scheduled[at + 1 :]
+        else:
+            first = self._preempt(victim, gone, why)
+            out, tail = {victim.request_id}, plan.scheduled[at:]
+        kept, io = self._place(tail, gone, out)
         plan.items[k:] = kept
+        plan.items[:k] = [item for item in plan.items[:k] if item[0] is not victim]
         plan.io.clear()
-        plan.io.extend([fate, *io])
+        plan.io.extend([first, *io])
 
     def _place(
         self, items: list[tuple[Sequence, int]], gone: Counter[int], out: set[str]
     ) -> tuple[list[tuple[Sequence, int]], list[PageIO]]:
         """Walk ``items`` in order against the budget: the items kept and the I/O. ``gone``:
-        pins the I/O so far gives back; ``out``: sequences it preempts or fails."""
+        pins the I/O so far gives back; ``out``: sequences it preempts or fails. A sequence
+        whose pages do not fit preempts the newest sequences running after it, so the oldest
+        always advances (no two sequences preempt each other forever)."""
         kept: list[tuple[Sequence, int]] = []
         io: list[PageIO] = []
         free = None if self.budget is None else self.budget - self.held
         for seq, n in items:
+            if seq.request_id in out or seq.status is SeqStatus.WAITING:
+                continue  # preempted earlier in this step
             need = seq.pages_needed(n, self.page_tokens)
             if need == 0:
                 kept.append((seq, n))
                 continue
             if free is not None:
                 free += self._freed(gone)
+                if len(set(seq.slots)) + need > self.budget:  # could never fit
+                    why = f"needs {len(set(seq.slots)) + need} pages, the budget is {self.budget}"
+                    io.append(PageIO(PageOp.FAIL, seq, len(set(seq.slots)), why))
+                    out.add(seq.request_id)
+                    continue
+                short = need > free and need <= free + self._could_free(seq, gone, out, io)
+                while short and need > free and (victim := self._victim(seq, out)) is not None:
+                    why = f"{seq.request_id!r} needs {need} pages, {max(free, 0)} are free"
+                    io.append(self._preempt(victim, gone, why))
+                    out.add(victim.request_id)
+                    kept = [item for item in kept if item[0] is not victim]
+                    planned = [x for x in io if x.op is PageOp.ALLOC and x.seq is victim]
+                    for x in planned:  # earlier in this step: it allocates nothing now
+                        io.remove(x)
+                        free += x.pages
+                    free += self._freed(gone)
             if free is None or need <= free:
                 io.append(PageIO(PageOp.ALLOC, seq, need))
                 kept.append((seq, n))
@@ -191,9 +222,42 @@ class Scheduler(RunQueues[Sequence]):
                     free -= need
                 continue
             why = f"needs {need} pages, {max(free, 0)} of the budget's {self.budget} are free"
-            io.append(self._evict(seq, gone, out, why))
+            coming = any(x.op is PageOp.FAIL and x.pages for x in io)
+            io.append(self._evict(seq, gone, out, why, coming=coming))
             out.add(seq.request_id)
         return kept, io
+
+    def _victim(self, seq: Sequence, out: set[str]) -> Sequence | None:
+        """The newest running sequence admitted after ``seq`` and not yet out, if any."""
+        for s in reversed(self.running):
+            if s is seq:
+                return None
+            if s.request_id not in out:
+                return s
+        return None
+
+    def _could_free(
+        self, seq: Sequence, gone: Counter[int], out: set[str], io: list[PageIO]
+    ) -> int:
+        """Pages preempting every sequence newer than ``seq`` would give it (their planned
+        allocations and the pages only they pin): they are preempted only when that suffices,
+        otherwise ``seq`` itself waits."""
+        newer = set()
+        for s in reversed(self.running):
+            if s is seq:
+                break
+            if s.request_id not in out:
+                newer.add(s.request_id)
+        trial = Counter(gone)
+        for s in self.running:
+            if s.request_id in newer:
+                trial.update(set(s.slots))
+        planned = sum(x.pages for x in io if x.op is PageOp.ALLOC and x.seq.request_id in newer)
+        return planned + sum(1 for p, n in trial.items() if n and self._refs[p] <= n)
+
+    def _preempt(self, seq: Sequence, gone: Counter[int], why: str) -> PageIO:
+        gone.update(set(seq.slots))
+        return PageIO(PageOp.PREEMPT, seq, len(set(seq.slots)), why)
 
     def _freed(self, gone: Counter[int]) -> int:
         """Pages the releases counted in ``gone`` free (no sequence pins them any more); they
@@ -203,15 +267,19 @@ class Scheduler(RunQueues[Sequence]):
             gone[p] = 0
         return len(freed)
 
-    def _evict(self, seq: Sequence, gone: Counter[int], out: set[str], why: str) -> PageIO:
-        """``seq`` cannot have its pages: preempt it while others run or a finished sequence is
-        about to give pages back; otherwise it cannot fit even alone and fails."""
+    def _evict(
+        self, seq: Sequence, gone: Counter[int], out: set[str], why: str, *, coming: bool = False
+    ) -> PageIO:
+        """``seq`` cannot have its pages: preempt it while others run or a finished (or failing:
+        ``coming``) sequence is about to give pages back; otherwise it cannot fit even alone and
+        fails."""
         others = any(s is not seq and s.request_id not in out for s in self.running)
-        finishing = any(s.status is SeqStatus.FINISHED and s.slots for s in self._holders.values())
+        finishing = coming or any(
+            s.status is SeqStatus.FINISHED and s.slots for s in self._holders.values()
+        )
         if not others and not finishing:
             return PageIO(PageOp.FAIL, seq, 0, why)
-        gone.update(set(seq.slots))
-        return PageIO(PageOp.PREEMPT, seq, len(set(seq.slots)), why)
+        return self._preempt(seq, gone, why)
 
     # ---- checks ----------------------------------------------------------------------------
     def validate(self) -> None:

@@ -47,6 +47,7 @@ class FakePool:
         self.cached: list[list[int]] = []  #: published chains (pages stay until evicted)
         self.resident: set[int] = set()
         self.other = 0
+        self.refusals = 0
         self._ids = itertools.count(100)  # the tests' made-up pages are below 100
 
     def pinned(self) -> set[int]:
@@ -54,6 +55,7 @@ class FakePool:
 
     def alloc(self, owner: str, n: int) -> list[int]:
         if len(self.pinned()) + self.other + n > self.capacity:
+            self.refusals += 1
             raise Refused(f"{n} pages: {len(self.pinned())} pinned, {self.other} elsewhere")
         pinned = self.pinned()
         for page in sorted(self.resident - pinned):  # evict published pages, oldest first
@@ -122,31 +124,59 @@ def test_sequences_that_fit_the_budget_get_their_pages() -> None:
     sched.validate()
 
 
-def test_the_first_sequence_in_plan_order_that_does_not_fit_is_preempted() -> None:
-    """Decoding sequences come first (admission order), then prefill chunks: the budget serves
-    them in that order, and the one it cannot serve goes back to the head of the queue."""
+def test_a_sequence_short_of_pages_preempts_the_newest_running_after_it() -> None:
+    """Decoding sequences come first (admission order), then prefill chunks; one the budget
+    cannot serve preempts the newest sequences admitted after it (their planned pages too),
+    so the oldest always advances; the preempted wait at the head of the queue."""
     sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=5)
     a = seq("a", 9, slots=[0, 1])  # 8 computed: decoding its 9th token needs a third page
-    a.num_computed = 8
     b, c = seq("b", 8), seq("c", 12)
     for s in (b, c, a):
         sched.add(s)
-    sched.schedule()  # admits all three; a decodes first
     plan = sched.schedule()
     assert names(plan.scheduled) == [("a", 1), ("b", 8), ("c", 12)]
-    assert ops(plan) == [("alloc", "a", 1), ("alloc", "b", 2), ("preempt", "c", 0)]
-    assert names(plan) == [("a", 1), ("b", 8)]
-    assert plan.io[2].why == "needs 3 pages, 0 of the budget's 5 are free"
+    # a: 1 page (2 free), b: 2 (0 free), c: 3 -> a, the newest, is preempted: 1 + 2 back
+    assert ops(plan) == [("alloc", "b", 2), ("preempt", "a", 2), ("alloc", "c", 3)]
+    assert names(plan) == [("b", 8), ("c", 12)]
+    assert plan.io[1].why == "'c' needs 3 pages, 0 are free"
     carry(sched, plan, FakePool(5))
-    assert list(sched.waiting) == [c] and c.status is SeqStatus.WAITING
+    assert list(sched.waiting) == [a] and a.status is SeqStatus.WAITING and a.num_computed == 0
     assert sched.held == 5
     sched.validate()
 
 
-def test_a_preempted_sequence_gives_its_pages_to_the_ones_after_it() -> None:
+def test_a_preempted_newer_sequence_leaves_the_step_even_when_it_needed_no_page() -> None:
+    sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=5)
+    a = seq("a", 16)  # older, prefilling: four pages
+    b = seq("b", 6, slots=[0, 1])  # newer, decoding inside its second page
+    b.num_computed = 5
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert names(plan.scheduled) == [("b", 1), ("a", 16)]
+    assert ops(plan) == [("preempt", "b", 2), ("alloc", "a", 4)]
+    assert names(plan) == [("a", 16)]
+
+
+def test_the_newest_short_of_pages_is_preempted_itself() -> None:
+    sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=5)
+    a = seq("a", 9, slots=[0, 1])
+    b, c = seq("b", 8), seq("c", 12)
+    for s in (a, b, c):
+        sched.add(s)
+    plan = sched.schedule()
+    assert ops(plan) == [("alloc", "a", 1), ("alloc", "b", 2), ("preempt", "c", 0)]
+    assert names(plan) == [("a", 1), ("b", 8)]
+    assert plan.io[2].why == "needs 3 pages, 0 of the budget's 5 are free"
+    sched.validate()
+
+
+def test_preempting_the_newer_happens_only_when_it_makes_room() -> None:
+    """b is short by 2 pages; c, newer, holds none and plans none: preempting it would not help,
+    so b waits itself and c gets b's pages."""
     sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=6)
     a = seq("a", 12, slots=[0, 1])  # prefilling: needs one more page
-    b = seq("b", 8, slots=[2, 3])  # the same
+    b = seq("b", 8, slots=[2, 3])  # needs two more
     a.num_computed = b.num_computed = 7
     b.tokens.extend([9, 9, 9, 9, 9])
     sched.add(a)
@@ -154,7 +184,6 @@ def test_a_preempted_sequence_gives_its_pages_to_the_ones_after_it() -> None:
     c = seq("c", 8)
     sched.add(c)
     plan = sched.schedule()
-    # a: 1 page (free 1), b: 2 pages > 1 -> preempted, its 2 pages back; c: 2 pages fit then
     assert ops(plan) == [("alloc", "a", 1), ("preempt", "b", 2), ("alloc", "c", 2)]
     assert names(plan) == [("a", 5), ("c", 8)]
     carry(sched, plan, FakePool(6))
@@ -168,7 +197,7 @@ def test_a_sequence_that_cannot_fit_alone_fails() -> None:
     sched.add(a)
     plan = sched.schedule()
     assert ops(plan) == [("fail", "a", 0)] and plan.items == []
-    assert "budget's 2" in plan.io[0].why
+    assert plan.io[0].why == "needs 3 pages, the budget is 2"
 
 
 def test_a_finishing_sequence_makes_a_lone_one_wait_for_its_pages() -> None:
@@ -209,23 +238,38 @@ def test_prefix_pages_several_sequences_matched_count_once() -> None:
     sched.validate()
 
 
-def test_the_pool_refusing_what_the_budget_allowed_replans_the_rest() -> None:
-    """A pool shared with other users refuses a sequence the budget let through: that one is
-    preempted and the rest of the step is planned again with its pages given back."""
-    sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=6)
-    a = seq("a", 9, slots=[0, 1])
-    a.num_computed = 8  # decoding, needs a third page
-    b = seq("b", 16)  # four pages
+def test_the_pool_refusing_what_the_budget_allowed_preempts_the_newer_then_fails() -> None:
+    """A pool shared with other users refuses a sequence the budget let through: the newer
+    sequence gives way and it asks again; refused once more, alone, it fails."""
+    sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=5)
+    a = seq("a", 9, slots=[0, 1])  # decoding, needs a third page
+    b = seq("b", 16)  # four pages: more than the budget leaves, and a is older
     sched.add(a)
     sched.add(b)
     plan = sched.schedule()
     assert ops(plan) == [("alloc", "a", 1), ("preempt", "b", 0)]
-    first = plan.io.popleft()
-    assert first.op is PageOp.ALLOC
+    assert plan.io.popleft().op is PageOp.ALLOC
     sched.refused(plan, a, "pool: 3 pages elsewhere")
-    assert ops(plan) == [("preempt", "a", 2), ("alloc", "b", 4)]
-    assert names(plan) == [("b", 16)]
-    assert plan.io[0].why == "pool: 3 pages elsewhere"
+    assert ops(plan) == [("preempt", "b", 0), ("alloc", "a", 1)]
+    assert names(plan) == [("a", 1)] and plan.io[0].why == "pool: 3 pages elsewhere"
+    sched.preempted(plan.io.popleft().seq)
+    plan.io.popleft()
+    sched.refused(plan, a, "pool: 3 pages elsewhere")
+    assert ops(plan) == [("fail", "a", 0)] and plan.items == []
+
+
+def test_a_refusal_gives_the_refused_pages_to_the_rest_of_the_step() -> None:
+    sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=7)
+    p = seq("p", 16)  # older, prefilling: four pages
+    d = seq("d", 9, slots=[0, 1])  # newer, decoding first: one page
+    sched.add(p)
+    sched.add(d)
+    plan = sched.schedule()
+    assert ops(plan) == [("alloc", "d", 1), ("alloc", "p", 4)]
+    plan.io.popleft()
+    sched.refused(plan, d, "pool: full")  # d is the newest: it waits itself
+    assert ops(plan) == [("preempt", "d", 2), ("alloc", "p", 4)]
+    assert names(plan) == [("p", 16)]
 
 
 def test_without_a_budget_only_the_pools_refusals_preempt() -> None:
@@ -252,7 +296,54 @@ def test_a_lowered_budget_allows_no_new_page_until_pages_come_back() -> None:
     b.tokens.append(5)
     sched.budget = 3  # below the 4 held
     plan = sched.schedule()
-    assert ops(plan) == [("preempt", "a", 2), ("alloc", "b", 1)]  # a's 2 back: 3 - 4 + 2 = 1
+    # a (older) is short: b, newer, gives its 2 pages back: 3 - 4 + 2 = 1 free
+    assert ops(plan) == [("preempt", "b", 2), ("alloc", "a", 1)]
+
+
+def run_to_end(sched: Scheduler, pool: FakePool, bound: int) -> list[str]:
+    """Steps (plan, I/O, compute, finish, release) until nothing is left; the failed ids."""
+    failed = []
+    for _ in range(bound):
+        if not sched.holds():
+            return failed
+        plan = sched.schedule()
+        ended = [io.seq for io in carry(sched, plan, pool) if io.op is PageOp.FAIL]
+        failed += [s.request_id for s in ended]
+        for s, n in plan.items:
+            sample = plan.samples(s, n)
+            s.num_computed += n
+            if sample and s.append(7) is not None:
+                sched.remove(s)
+                ended.append(s)
+        for s in ended:
+            pool.release(s.request_id)
+            sched.released(s.request_id)
+        sched.validate()
+    raise AssertionError(f"not done in {bound} steps: {sched.running} {list(sched.waiting)}")
+
+
+def test_sequences_the_pool_can_never_fit_fail_instead_of_taking_turns() -> None:
+    """Another user keeps 4 of the shared pool's 8 pages; each sequence needs 5. Preempting
+    the one the pool refuses lets the two throw each other out forever (neither is ever alone);
+    the refused older one preempts the newer, is refused alone and fails, then so does the
+    other."""
+    sched = Scheduler(max_batch=4, max_step_tokens=8, page_tokens=PT)
+    pool = FakePool(8)
+    pool.other = 4
+    sched.add(seq("a", 12, new=8))
+    sched.add(seq("b", 12, new=8))
+    assert run_to_end(sched, pool, bound=60) == ["a", "b"]
+    assert sched.held == 0 and not pool.pins
+
+
+def test_a_sequence_past_the_budget_alone_fails_when_it_asks() -> None:
+    sched = Scheduler(max_batch=4, max_step_tokens=8, page_tokens=PT, budget=4)
+    sched.add(a := seq("a", 8, new=12))
+    sched.add(b := seq("b", 8, new=12))
+    sched.add(c := seq("c", 4, new=4))
+    # each fails on asking for the fifth page of its 17th token; the other one waits meanwhile
+    assert run_to_end(sched, FakePool(4), bound=60) == ["a", "b"]
+    assert a.num_generated == b.num_generated == 9 and c.num_generated == 4
 
 
 def test_an_aborted_sequence_is_not_requeued_by_its_preemption() -> None:
@@ -331,7 +422,7 @@ class PagesMachine(RuleBasedStateMachine):
         """One turn of the engine's loop: drain releases, plan, carry out the I/O, then (as
         ``_emit`` does beside the forward) release what the last step finished, apply."""
         self._drain()
-        pinned_before = len(self.pool.pinned())
+        pinned_before, refusals = len(self.pool.pinned()), self.pool.refusals
         plan = self.sched.schedule()
         for io in carry(self.sched, plan, self.pool):
             if io.op is PageOp.PREEMPT:
@@ -347,6 +438,8 @@ class PagesMachine(RuleBasedStateMachine):
         assert self.sched.budget is None or len(self.pool.pinned()) <= max(
             self.sched.budget, pinned_before
         ), "an allocation took the pages held past the budget"
+        # the budget is the pool's size: only pages another user holds surprise it
+        assert self.pool.other > 0 or self.pool.refusals == refusals, "the budget let too much"
         self.to_release.extend(self.finishing)
         self.finishing = []
         for s, n in plan.items:
