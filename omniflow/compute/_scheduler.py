@@ -189,7 +189,8 @@ class Scheduler(RunQueues[Sequence]):
         always advances (no two sequences preempt each other forever)."""
         kept: list[tuple[Sequence, int]] = []
         io: list[PageIO] = []
-        free = None if self.budget is None else self.budget - self.held
+        budget = self.budget
+        free = None if budget is None else budget - self.held
         for seq, n in items:
             if seq.request_id in out or seq.status is SeqStatus.WAITING:
                 continue  # preempted earlier in this step
@@ -197,10 +198,10 @@ class Scheduler(RunQueues[Sequence]):
             if need == 0:
                 kept.append((seq, n))
                 continue
-            if free is not None:
+            if free is not None and budget is not None:
                 free += self._freed(gone)
-                if len(set(seq.slots)) + need > self.budget:  # could never fit
-                    why = f"needs {len(set(seq.slots)) + need} pages, the budget is {self.budget}"
+                if len(set(seq.slots)) + need > budget:  # could never fit
+                    why = f"needs {len(set(seq.slots)) + need} pages, the budget is {budget}"
                     io.append(PageIO(PageOp.FAIL, seq, len(set(seq.slots)), why))
                     out.add(seq.request_id)
                     continue
@@ -227,14 +228,23 @@ class Scheduler(RunQueues[Sequence]):
             out.add(seq.request_id)
         return kept, io
 
-    def _victim(self, seq: Sequence, out: set[str]) -> Sequence | None:
-        """The newest running sequence admitted after ``seq`` and not yet out, if any."""
+    def _newer(self, seq: Sequence, out: set[str]) -> list[Sequence]:
+        """Running sequences admitted after ``seq`` and not yet out, newest first (none when
+        ``seq`` no longer runs: aborted meanwhile, it takes no one's pages)."""
+        if seq not in self.running:
+            return []
+        newer = []
         for s in reversed(self.running):
             if s is seq:
-                return None
+                break
             if s.request_id not in out:
-                return s
-        return None
+                newer.append(s)
+        return newer
+
+    def _victim(self, seq: Sequence, out: set[str]) -> Sequence | None:
+        """The newest running sequence admitted after ``seq`` and not yet out, if any."""
+        newer = self._newer(seq, out)
+        return newer[0] if newer else None
 
     def _could_free(
         self, seq: Sequence, gone: Counter[int], out: set[str], io: list[PageIO]
@@ -242,12 +252,7 @@ class Scheduler(RunQueues[Sequence]):
         """Pages preempting every sequence newer than ``seq`` would give it (their planned
         allocations and the pages only they pin): they are preempted only when that suffices,
         otherwise ``seq`` itself waits."""
-        newer = set()
-        for s in reversed(self.running):
-            if s is seq:
-                break
-            if s.request_id not in out:
-                newer.add(s.request_id)
+        newer = {s.request_id for s in self._newer(seq, out)}
         trial = Counter(gone)
         for s in self.running:
             if s.request_id in newer:

@@ -360,6 +360,22 @@ def test_an_aborted_sequence_is_not_requeued_by_its_preemption() -> None:
     sched.validate()
 
 
+def test_a_refusal_for_a_sequence_aborted_meanwhile_only_releases_it() -> None:
+    sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT)
+    a, b = seq("a", 8), seq("b", 8)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    plan.io.popleft()
+    sched.remove(a)  # aborted while its pages were asked for
+    sched.refused(plan, a, "pool: full")
+    assert ops(plan) == [("preempt", "a", 0), ("alloc", "b", 2)]
+    carry(sched, plan, FakePool(8))
+    assert a.status is SeqStatus.FINISHED and list(sched.running) == [b] and not sched.waiting
+    sched.released("a")
+    sched.validate()
+
+
 def test_validate_catches_pages_that_bypass_the_ledger() -> None:
     sched = Scheduler(max_batch=4, max_step_tokens=32, page_tokens=PT, budget=8)
     a = seq("a", 8)
