@@ -7,9 +7,10 @@
 ...         return [out.token_id async for out in engine.generate(req)]
 
 The decisions are made by the pure ``Scheduler``; this module only carries them out: it admits
-requests (tokenize, build on the session's history, match the cached prefix in the pool), plans
-each step (allocating pages first), turns sampled tokens into ``StepOutput``s, and at the end
-publishes the sequence's full pages. ``open``/``feed``/``outputs`` take a prompt in segments
+requests (tokenize, build on the session's history, match the cached prefix in the pool), does
+each plan's pool I/O (allocate, preempt, fail: the scheduler's page budget decided them) and
+reports the outcomes back, turns sampled tokens into ``StepOutput``s, and at the end publishes
+the sequence's full pages. ``open``/``feed``/``outputs`` take a prompt in segments
 (``_segments.SegmentFeeds``). Loading, the pool and the step loop itself (one step at a
 time on a dedicated thread, releases between steps) are ``EngineBase``'s, shared with
 ``DiTEngine``.
@@ -38,7 +39,7 @@ from omniflow.compute._loader import load_model, resolve_device
 from omniflow.compute._procrunner import EngineProcess, ProcessRunner
 from omniflow.compute._request import GenerateRequest, SamplingParams, StepOutput
 from omniflow.compute._runner import ModelRunner
-from omniflow.compute._scheduler import Scheduler, StepPlan
+from omniflow.compute._scheduler import PageOp, Scheduler, StepPlan
 from omniflow.compute._segments import SegmentFeeds
 from omniflow.compute._sequence import SeqStatus, Sequence
 from omniflow.compute._session import SessionHistory
@@ -200,7 +201,12 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         else:
             self._runner = ModelRunner(model, self._kv)
         self._sched = sched = Scheduler(
-            max_batch=self.max_batch, max_step_tokens=self.max_step_tokens
+            max_batch=self.max_batch,
+            max_step_tokens=self.max_step_tokens,
+            page_tokens=self.page_tokens,
+            # A private pool is this engine's alone: its pages are the budget, and the plan
+            # preempts before asking. A shared pool's refusals are reported as they come.
+            budget=self.pool_pages if self._own_pool else None,
         )
         self._segments = SegmentFeeds(self, model.cfg)
         return sched
@@ -222,6 +228,7 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
 
     def _detach(self, request_id: str) -> None:
         self._runner.detach(request_id)
+        self._sched.released(request_id)  # its pages are back in the pool
 
     # ---- requests --------------------------------------------------------------------------
     async def prefill(self, request: GenerateRequest) -> PublishedPrefix:
@@ -344,7 +351,8 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
 
     # ---- the step loop (EngineBase._run carries these out) --------------------------------
     async def _plan(self) -> StepPlan | None:
-        plan = await self._allocate(self._sched.schedule())
+        plan = self._sched.schedule()
+        await self._carry_out(plan)
         return plan if plan.items else None
 
     def _between_steps(self) -> None:
@@ -386,46 +394,37 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         else:
             stream.push(out)
 
-    async def _allocate(self, plan: StepPlan) -> StepPlan:
-        """Get the pages the plan needs; a sequence the pool cannot fit is preempted."""
-        assert self.kv_pool is not None
-        kept = StepPlan()
-        for seq, n in plan.items:
-            need = seq.pages_needed(n, self.page_tokens)
-            if need:
+    async def _carry_out(self, plan: StepPlan) -> None:
+        """Carry out the plan's pool I/O in order and report each outcome to the scheduler."""
+        pool, sched = self.kv_pool, self._sched
+        assert pool is not None
+        while plan.io:
+            io = plan.io.popleft()
+            seq = io.seq
+            if io.op is PageOp.ALLOC:
                 try:
-                    fresh = await self.kv_pool.alloc(seq.request_id, need)
+                    fresh = await pool.alloc(seq.request_id, io.pages)
                 except PoolExhaustedError as exc:
-                    await self._preempt(seq, exc)
+                    sched.refused(plan, seq, str(exc))  # its fate and the rest, replanned
                     continue
                 self._kv.zero(fresh)
-                seq.slots.extend(fresh)
+                sched.allocated(seq, fresh)
                 self._runner.attach(seq)
-            kept.items.append((seq, n))
-        return kept
-
-    async def _preempt(self, seq: Sequence, exc: PoolExhaustedError) -> None:
-        assert self.kv_pool is not None
-        others = [s for s in self._sched.running if s is not seq]
-        # Sequences that ids/length ended in the last step left the scheduler at once, but
-        # their pages come back only after their last token is delivered (_emit, then the
-        # release): waiting for those is not "cannot fit even alone".
-        finishing = any(reason is not None for _, _, reason in self._sampled)
-        if not others and not finishing:
-            self._fail(
-                seq,
-                EngineError(
-                    f"request {seq.request_id!r}: the KV pool cannot hold {len(seq.tokens)} "
-                    f"tokens even alone ({exc}); raise the pool's capacity or shorten the prompt"
-                ),
-            )
-            return
-        # Layer 1 makes this safe: the tokens stay on the host, the KV is recomputed later.
-        self.preemptions += 1
-        await self.kv_pool.release(seq.request_id)
-        self._runner.detach_pages(seq.request_id)
-        seq.slots, seq.num_computed = [], 0
-        self._sched.requeue(seq)
+            elif io.op is PageOp.PREEMPT:
+                # Layer 1 makes this safe: the tokens stay on the host, the KV is recomputed.
+                self.preemptions += 1
+                await pool.release(seq.request_id)
+                self._runner.detach_pages(seq.request_id)
+                sched.preempted(seq)
+            else:
+                self._fail(
+                    seq,
+                    EngineError(
+                        f"request {seq.request_id!r}: the KV pool cannot hold "
+                        f"{len(seq.tokens)} tokens even alone ({io.why}); raise the pool's "
+                        "capacity or shorten the prompt"
+                    ),
+                )
 
     async def _on_release(self, stream: Stream) -> None:
         """A finished sequence's full pages become the session's chain; history recorded."""

@@ -393,3 +393,23 @@ async def test_segment_errors_and_an_abandoned_open_request_frees_its_pages(
     )
     with pytest.raises(RequestError, match="no open input"):
         engine.feed(gone, [1])
+
+
+async def test_requests_the_pool_can_never_hold_fail_instead_of_preempting_each_other(
+    model_dirs: Callable[[str], Path], engine_factory: Any
+) -> None:
+    """Four requests of 64 tokens each (16 pages) and a private pool of 12 pages: none fits
+    even alone. The scheduler's budget (the pool's size) fails each when it asks for its 13th
+    page, rather than letting them preempt each other forever, while a small one beside them
+    finishes (tests/compute/test_scheduler_pages.py holds the decisions)."""
+    engine = await engine_factory(
+        model_dirs("llama"), pool_pages=12, page_tokens=4, max_batch=4, max_step_tokens=32
+    )
+    big = [GenerateRequest(input_ids=prompt(40, salt=i), sampling=greedy(24)) for i in range(4)]
+    small = GenerateRequest(input_ids=prompt(6), sampling=greedy(4))
+    # on the old rule this never returned (the module's timeout ends it)
+    results = await asyncio.gather(*(run(engine, r) for r in [*big, small]), return_exceptions=True)
+    for r in results[:4]:
+        assert isinstance(r, EngineError) and "even alone" in str(r), r
+    assert not isinstance(results[4], BaseException) and len(results[4][0]) == 4
+    assert engine.kv_pool.stats()["pinned"] == 0
