@@ -48,10 +48,11 @@ from omniflow.cluster._remote_edges import count_run, totals
 from omniflow.cluster._remote_ends import CallEnds
 from omniflow.cluster._remote_fast import FastPath
 from omniflow.cluster._remote_meta import WorkerQueries
-from omniflow.cluster._remote_pending import Key, Pending, Plan
+from omniflow.cluster._remote_pending import Key, Pending
 from omniflow.cluster._remote_pins import Pins
 from omniflow.cluster._remote_replies import Replies
 from omniflow.cluster._remote_routes import RouteTable
+from omniflow.cluster.fastpath._events import Bind
 from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane
 from omniflow.data._ref import DataRef
 from omniflow.data.kv._meta import MemoryMetadata
@@ -239,10 +240,10 @@ class RemoteRoles(Replies, Pins):
     def submit(self, call: Call, core: CallCore, act: Activation) -> None:
         """Run ``act`` on a replica of its role (all replicas for lb="broadcast"), or bind it to
         the run a worker forwarded for it."""
-        expect = self._fast.expect
-        if expect is not None:
-            hit = expect.pop(act.node, None)
-            if hit is not None and self._bind(call, core, act, *hit):
+        if self._fast.core.expect is not None:  # (a frame that forwarded runs is in the core)
+            bind = self._fast.made(call.call_id, act.node, act.group, act.seq[2], act.kwargs)
+            if bind is not None:
+                self._bind(call, core, act, bind)
                 return
         spec = core.c.specs[act.node]
         role = spec.role
@@ -270,7 +271,9 @@ class RemoteRoles(Replies, Pins):
         fw = None
         if self.fast_path and targets is not None and len(targets) == 1:
             plans, fw = self._route_table.of(core.c, call.graph, act.node)
-            p.routes = plans
+            if plans:
+                p.routes = plans
+                self._fast.started(key[0], key[1])
         # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
         run: Run = _new(Run, (
             call.call_id, act.aid, act.node, kwargs, call.session, act.group, act.seq[2],
@@ -284,6 +287,8 @@ class RemoteRoles(Replies, Pins):
             frames = encode_msg(run)
         except Exception as exc:
             del self._pending[key]
+            if p.routes:
+                self._fast.ended(key[0], key[1])
             self._on_done(
                 call,
                 core,
@@ -318,42 +323,20 @@ class RemoteRoles(Replies, Pins):
         heartbeat said it forwarded (``_remote_edges.totals``)."""
         return totals(self.edge_bytes, self.fleet.replicas.values())
 
-    def _bind(
-        self,
-        call: Call,
-        core: CallCore,
-        act: Activation,
-        wid: str,
-        plan: Plan,
-        q: int,
-        via: Replica,
-    ) -> bool:
-        """``act`` is the activation a worker already started as ``wid``: take it as sent.
-        False (``wid`` orphaned) if anything differs from what was forwarded."""
+    def _bind(self, call: Call, core: CallCore, act: Activation, bind: Bind) -> None:
+        """``act`` is the activation a worker already started as ``bind.wid`` (the fast-path
+        machine checked it is the one forwarded): take it as sent."""
+        plan = bind.plan
         rep = plan.rep
-        hop = plan.hop
-        kwargs = act.kwargs
-        if (
-            not rep.life.routable
-            or act.group != hop.group
-            or act.seq[2] != q
-            or len(kwargs) != 1
-            or hop.field not in kwargs
-        ):
-            self._fast.orphan(rep, call.call_id, wid)
-            return False
-        key = (call.call_id, wid)
-        p = self._pending[key] = Pending(self, key, call, core, act, [rep], plan.sub, via)
+        key = (call.call_id, bind.wid)
+        p = self._pending[key] = Pending(self, key, call, core, act, [rep], plan.sub, bind.via)
         call._tasks[act] = p
         if core.c.plan.params or self.track_calls:
             self._ends.replicas.setdefault(key[0], set()).add(rep)
         rep.held.add(key)
-        self._fast.forwarded += 1
-        self._fast.bound.append(key)
         self.fleet.intake.known = True  # (what waits for it need not wait for the next loop turn)
         if self.traced:
             core.placed(act, rep.replica_id)  # type: ignore[attr-defined]
-        return True
 
     # ------------------------------------------------------------------ the spin
 
