@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniflow.cluster._fleet import Replica
-from omniflow.cluster._remote import RemoteRoles
 from omniflow.cluster._forward import Hop
+from omniflow.cluster._remote import RemoteRoles
 from omniflow.cluster._remote_pending import Pending, Plan
 from omniflow.cluster._replica import ReplicaEvent
 from omniflow.cluster.fastpath._events import Handled, Made, Reported
