@@ -76,8 +76,7 @@ class Waiting:
 
     def _unindex(self, wid: str) -> None:
         parent = parent_of(wid)
-        siblings = self.kids.get(parent)
-        if siblings is not None:
-            siblings.discard(wid)
-            if not siblings:
-                del self.kids[parent]
+        siblings = self.kids[parent]  # (every kept run is indexed under its parent)
+        siblings.discard(wid)
+        if not siblings:
+            del self.kids[parent]
