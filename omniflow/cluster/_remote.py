@@ -19,10 +19,11 @@ workers (``_remote_ends``), hosted pool metadata and stats (``_remote_meta``).
 The fast path (``_forward``): a run may carry routes (``_remote_routes``) by which its worker
 starts the next node's runs on their worker itself. When the frame that caused such a run
 arrives, the call core makes the activation it always makes, and ``submit`` *binds* it to the
-forwarded run instead of sending one; what the forwarded run reported before that first waits
-at the fleet for the end of the loop turn (``_on_message``, ``_fleet_intake.Intake._later``),
-and if still unbound then, waits in ``FastPath.early`` (``_remote_fast``) and is replayed
-then. A forwarded run the core did not make is an orphan: cancelled, and what it sends dropped.
+forwarded run instead of sending one. Every such decision (bind, keep what came early and
+replay it, orphan, cut, claim) is the pure machine's (``fastpath.FastPathCore``);
+``_remote_fast.FastPath`` carries its instructions out. What a forwarded run reported before
+its binding first waits at the fleet for the end of the loop turn (the machine says ``WAIT``;
+``_fleet_intake.Intake._later``), and if still unbound then, the machine keeps it.
 """
 
 from __future__ import annotations

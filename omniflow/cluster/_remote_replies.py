@@ -1,7 +1,8 @@
 """The router's handling of what replicas report about calls: frames, dones (one at a time
 or a ``Dones``), claims' answers and end-of-call answers, checked against the replica that
-runs each activation and handed to the runtime shell as stimuli; a forwarded run's results
-before its binding go to the fast path (``_remote_fast``)."""
+runs each activation and handed to the runtime shell as stimuli; a forwarded run's messages
+that its replica does not hold go to the fast path (``_remote_fast``, whose machine decides:
+wait at the fleet, keep, or drop)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class Replies:
         ``may_wait``: a message (or the rest of a ``Dones``) about a forwarded run the front
         has not bound yet, whose binding frame may still come this loop turn, is handed back
         instead, for the fleet to deliver at the end of the turn (``_fleet_intake.Intake._later``):
-        then it needs no keeping and replaying (``FastPath.stray``)."""
+        then it needs no keeping and replaying (the fast-path machine's ``WAIT``)."""
         self._kick()
         # By exact type, the commonest first (a decoded message is never a subclass).
         if type(msg) is Dones:

@@ -517,3 +517,46 @@ def test_orphans_end_one_by_one_with_their_dones(core: FastPathCore, reps: tuple
     assert core.runs == {("c", "1.0.1"): ORPHAN}
     assert core.handle(Unbound(r3, "c", "1.0.1", "done", True, False)) == [Drop("done")]
     assert core.runs == {} and core.orphans == {}
+
+
+def test_validate_names_each_breach(reps: tuple[Rep, ...]) -> None:
+    """validate() is not vacuous: each table out of step with the runs' states is named."""
+    r1, r2, _ = reps
+
+    def broken(how: str) -> FastPathCore:
+        fp = FastPathCore()
+        fp.handle(Started("c", 1))
+        fp.handle(Unbound(r2, "c", "1.0.0", "m", False, False))
+        frame(fp, r1, "c", 1, 1, (route("m.run", r2),), [made("c", "m.run")])
+        frame(fp, r1, "c", 1, 2, (route("m.run", r2),), [])
+        fp.validate()
+        if how == "early state":
+            fp.runs[("c", "1.0.0")] = BOUND
+        elif how == "index":
+            fp.early["c"].kids[1] = set()
+        elif how == "orphan":
+            fp.runs[("c", "1.2.0")] = EARLY
+        elif how == "bound":
+            fp.runs[("c", "1.1.0")] = ORPHAN
+        elif how == "expected":
+            fp.runs[("c", "9.0.0")] = EXPECTED
+        elif how == "outside":
+            fp._bound.append(("c", "1.1.0"))
+        elif how == "claim":
+            fp.claims[1] = (r2, "c", [], r1)
+        elif how == "empty":
+            fp.cut["c"] = set()
+        return fp
+
+    for how, says in [
+        ("early state", "has early messages but is bound"),
+        ("index", "parent index is stale"),
+        ("orphan", "kept as an orphan"),
+        ("bound", "bound but orphan"),
+        ("expected", "expected by no frame"),
+        ("outside", "expectations outside a frame"),
+        ("claim", "claim 1 of call c"),
+        ("empty", "an empty cut kept"),
+    ]:
+        with pytest.raises(AssertionError, match=says):
+            broken(how).validate()

@@ -53,6 +53,7 @@ from omniflow.cluster.fastpath._events import (
     Started,
     Unbound,
 )
+from omniflow.cluster.fastpath._validate import validate_fastpath
 from omniflow.cluster.fastpath._waiting import Waiting, parent_of
 
 __all__ = ["FastPathCore"]
@@ -455,44 +456,11 @@ class FastPathCore:
     # ---------------------------------------------------------------- invariants
 
     def validate(self) -> None:
-        """Raise AssertionError naming the first breach of an invariant."""
-        expected_wids = {w for w, _p, _q, _v in self._rejected}
-        if self.expect is None:
-            assert not self._rejected and not self._bound, "expectations outside a frame"
-        else:
-            expected_wids |= {w for w, _p, _q, _v in self.expect.values()}
-        replay = set(self._bound)
-        seen: set[Key] = set()
-        for c, waiting in self.early.items():
-            assert waiting.early, f"call {c}: an empty Waiting kept"
-            index: dict[int | str, set[str]] = {}
-            for wid in waiting.early:
-                index.setdefault(parent_of(wid), set()).add(wid)
-                state = self.runs.get((c, wid))
-                assert state is _EARLY or state is _EXPECTED or (c, wid) in replay, (
-                    f"call {c}: run {wid} has early messages but is {_name(state)}"
-                )
-                seen.add((c, wid))
-            assert index == waiting.kids, f"call {c}: Waiting's parent index is stale"
-        for c, orphans in self.orphans.items():
-            assert orphans, f"call {c}: an empty orphan table kept"
-            for wid in orphans:
-                assert self.runs.get((c, wid)) is _ORPHAN, f"call {c}: {wid} kept as an orphan"
-        for key in self.bound:
-            assert self.runs.get(key) is _BOUND, f"run {key} bound but {_name(self.runs.get(key))}"
-        for c, cut in self.cut.items():
-            assert cut, f"call {c}: an empty cut kept"
-        for (c, w), state in self.runs.items():
-            if state is _EARLY:
-                assert (c, w) in seen, f"call {c}: run {w} early with nothing kept"
-            elif state is _EXPECTED:
-                assert w in expected_wids, f"call {c}: run {w} expected by no frame"
-            elif state is _BOUND:
-                assert (c, w) in self.bound, f"call {c}: run {w} bound to nothing"
-            else:
-                assert w in self.orphans.get(c, ()), f"call {c}: orphan {w} not kept"
-        for r, (_target, c, wids, _via) in self.claims.items():
-            assert wids and all(type(w) is str for w in wids), f"claim {r} of call {c}: {wids}"
+        """Raise AssertionError naming the first breach of an invariant (``_validate``)."""
+        validate_fastpath(
+            self.runs, self.expect, self._rejected, self._bound, self.early, self.orphans,
+            self.bound, self.cut, self.claims,
+        )  # fmt: skip
         assert self.forwarded >= 0 and self.orphaned >= 0
 
 
