@@ -4,7 +4,7 @@ after their binding (held back by the fleet or not), runs ending, replicas lost,
 and answered, calls ending. ``validate()`` after every event, and what the machine promises:
 
 - every message it keeps is delivered once (after its run's binding) or dropped once, or is
-  still kept; a message it does not keep is handed back, delivered never, dropped at once;
+  still kept, or went with its lost replica; a message it does not keep is handed back, delivered never, dropped at once;
 - a run is bound at most once, and only to the activation of the frame that reported it;
 - nothing is sent to a replica that is gone; a cancel is sent once per run while its call
   lives;
@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from hypothesis import event as hypothesis_event
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -65,6 +66,7 @@ class FastPathMachine(RuleBasedStateMachine):
         self.kept: set[int] = set()  # message ids the machine keeps
         self.delivered: set[int] = set()
         self.dropped: set[int] = set()
+        self.forgotten: set[int] = set()
         self.cancelled: set[tuple[str, str]] = set()
         self.failed: set[tuple[str, str]] = set()
         self.claims: dict[int, tuple[Any, str, list[str]]] = {}
@@ -78,6 +80,7 @@ class FastPathMachine(RuleBasedStateMachine):
         out = self.core.handle(event)
         self.core.validate()
         for ins in out:
+            hypothesis_event(type(ins).__name__)  # (--hypothesis-show-statistics: what ran)
             if type(ins) is Deliver:
                 _c, wid, mid = ins.msg
                 assert mid in self.kept and mid not in self.delivered | self.dropped
@@ -120,8 +123,10 @@ class FastPathMachine(RuleBasedStateMachine):
     @rule(c=st.sampled_from(CALLS), rep=st.integers(0, 3), depth=st.integers(0, 2))
     def start(self, c: str, rep: int, depth: int) -> None:
         """The router sends a run with routes (each a chain ``depth`` hops deeper)."""
-        if c in self.ended or not self.reps[rep].alive:
+        alive = [i for i, r in enumerate(self.reps) if r.alive]
+        if c in self.ended or not alive:
             return
+        rep = alive[rep % len(alive)]
         a = next(self.front)
 
         def routes(d: int) -> tuple[Plan, ...]:
@@ -158,13 +163,24 @@ class FastPathMachine(RuleBasedStateMachine):
                     self.live[(c, wid)] = [plan.rep, plan.sub, 0]
         self.handle(Handled(c))
 
-    @precondition(lambda self: self.known)
+    def _soon(self) -> dict[tuple[str, str], Plan]:
+        """Runs the next two frames of each live activation will report (forwarded already:
+        their messages may come first)."""
+        return {
+            (c, f"{a}.{k + d}.{r}"): plan
+            for (c, a), (_rep, routes, k) in self.live.items()
+            for d in (0, 1)
+            for r, plan in enumerate(routes)
+        }
+
+    @precondition(lambda self: self.known or self.live)
     @rule(data=st.data(), done=st.booleans(), may_wait=st.booleans())
     def message(self, data: st.DataObject, done: bool, may_wait: bool) -> None:
-        """A message of a forwarded run its replica does not hold (unbound, or an orphan's;
-        a bound run's own messages go to the router, not here)."""
-        (c, wid) = data.draw(st.sampled_from(sorted(self.known)))
-        rep = self.known[(c, wid)].rep
+        """A message of a forwarded run its replica does not hold: not reported yet, unbound,
+        or an orphan's (a bound run's own messages go to the router, not here)."""
+        runs = {**self._soon(), **self.known}
+        (c, wid) = data.draw(st.sampled_from(sorted(runs)))
+        rep = runs[(c, wid)].rep
         if not rep.alive or self.core.state(c, wid) is RunState.BOUND or (c, wid) in self.done:
             return  # (a worker sends nothing after a run's done)
         mid = next(self.ids)
@@ -190,6 +206,7 @@ class FastPathMachine(RuleBasedStateMachine):
                 self.done.add((c, a))
             self._end(c, a)
 
+    @precondition(lambda self: sum(r.alive for r in self.reps) > 2)
     @rule(i=st.integers(0, 3))
     def lose(self, i: int) -> None:
         """A replica is lost: its activations with routes are cut and end, then claims."""
@@ -198,6 +215,13 @@ class FastPathMachine(RuleBasedStateMachine):
             return
         rep.lose()
         cut = tuple(k for k, (r, _routes, _k) in self.live.items() if r is rep)
+        self.forgotten |= {  # (what it sent early goes with it: nothing more will come)
+            m[2]
+            for waiting in self.core.early.values()
+            for r, msgs in waiting.early.values()
+            if r is rep
+            for m, _done in msgs
+        }
         self.handle(Lost(rep, cut))
         for c, a in cut:
             self._end(c, a)
@@ -221,6 +245,7 @@ class FastPathMachine(RuleBasedStateMachine):
                 raise AssertionError(f"{wid} claimed missing but still bound")
         assert self.failed - before <= {(c, w) for w in missing}
 
+    @precondition(lambda self: len(self.ended) < len(CALLS) and len(self.known) > 4)
     @rule(c=st.sampled_from(CALLS))
     def call_ends(self, c: str) -> None:
         if c in self.ended:
@@ -242,9 +267,10 @@ class FastPathMachine(RuleBasedStateMachine):
             for _rep, msgs in waiting.early.values()
             for m, _done in msgs
         }
-        assert not (self.delivered & self.dropped)
-        assert self.kept == (self.kept & (self.delivered | self.dropped)) | still
-        assert not (still & (self.delivered | self.dropped))
+        gone = [self.delivered, self.dropped, self.forgotten]
+        assert sum(map(len, gone)) == len(set().union(*gone)), "a message accounted twice"
+        assert self.kept == (self.kept & set().union(*gone)) | still
+        assert not (still & set().union(*gone))
 
     @invariant()
     def only_running_activations_are_parents(self) -> None:
@@ -252,6 +278,6 @@ class FastPathMachine(RuleBasedStateMachine):
 
 
 FastPathMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
+    max_examples=300, stateful_step_count=50, deadline=None
 )
 test_fast_path_machine = FastPathMachine.TestCase
