@@ -4,7 +4,8 @@ after their binding (held back by the fleet or not), runs ending, replicas lost,
 and answered, calls ending. ``validate()`` after every event, and what the machine promises:
 
 - every message it keeps is delivered once (after its run's binding) or dropped once, or is
-  still kept, or went with its lost replica; a message it does not keep is handed back, delivered never, dropped at once;
+  still kept, or went with its lost replica; a message it does not keep is handed back, or
+  dropped at once;
 - a run is bound at most once, and only to the activation of the frame that reported it;
 - nothing is sent to a replica that is gone; a cancel is sent once per run while its call
   lives;
