@@ -451,6 +451,11 @@ class RemoteRoles(Replies, Pins):
             "forward_waiting": self._fast.waiting(),
         }
 
+    def fast_path_story(self, call_id: str) -> list[dict[str, Any]]:
+        """The moves of call ``call_id``'s forwarded runs, oldest first, as far as the fast-path
+        machine's bounded log reaches back (``FastPathCore.story``)."""
+        return self._fast.core.story(call_id)
+
     def wire_statistics(self) -> dict[str, Any]:
         """The authenticated wire and supervision as this front sees them (``Fleet``)."""
         return self.fleet.wire_statistics()

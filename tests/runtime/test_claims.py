@@ -152,6 +152,10 @@ def test_a_claim_for_a_replica_that_is_then_lost_is_forgotten() -> None:
         rr._on_lost(r1, "killed")
         assert rr._fast.core.claims == {}
         rr._fast.core.validate()
+        assert [(m["on"], m["from"], m["to"]) for m in rr.fast_path_story("c")] == [
+            ("reported", "gone", "expected"), ("made", "expected", "bound"),
+            ("ended", "bound", "gone"),
+        ]  # fmt: skip
         [(wid, err)] = ended
         assert wid == "1.0.0" and "'r1'" in str(err)  # (lost with the replica that held it)
 
