@@ -67,7 +67,11 @@ def test_the_repository_gates() -> None:
         "_liveness.py",
         "_ordering.py",
         "_compiled.py",
-    }
+        "_events.py",
+        "_waiting.py",
+    }  # (_validate.py and _core.py: the call core's and the fast path's)
+    assert "omniflow/cluster/fastpath/_core.py" in core.paths
+    assert "omniflow/cluster/fastpath/_validate.py" in core.paths
 
 
 def test_gates_pass_at_their_minimum(capsys: pytest.CaptureFixture[str]) -> None:

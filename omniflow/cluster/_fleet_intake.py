@@ -70,7 +70,8 @@ class Intake:
         self._on_own = on_own
         #: True while a batch of replica messages is handled (runs made then are queued).
         self.in_batch = False
-        #: Set by ``on_message``'s side when it learned of a forwarded run (``_take_known``).
+        #: Set by ``on_message``'s side when it bound a forwarded run (the router carrying out
+        #: the fast-path machine's ``Bind``): what waits may be about it (``_take_known``).
         self.known = False
         #: Replicas with messages waiting for the end of the loop turn (``_later``), in order.
         self._waiting: dict[Replica, None] = {}

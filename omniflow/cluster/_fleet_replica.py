@@ -73,6 +73,11 @@ class Replica:
         """Not gone (it may still be starting or leaving)."""
         return self.life.alive
 
+    @property
+    def routable(self) -> bool:
+        """Connected and not leaving: what runs can be routed to."""
+        return self.life.routable
+
     def __repr__(self) -> str:
         return f"Replica({self.replica_id!r}, {self.life.state.value})"
 

@@ -19,10 +19,11 @@ workers (``_remote_ends``), hosted pool metadata and stats (``_remote_meta``).
 The fast path (``_forward``): a run may carry routes (``_remote_routes``) by which its worker
 starts the next node's runs on their worker itself. When the frame that caused such a run
 arrives, the call core makes the activation it always makes, and ``submit`` *binds* it to the
-forwarded run instead of sending one; what the forwarded run reported before that first waits
-at the fleet for the end of the loop turn (``_on_message``, ``_fleet_intake.Intake._later``),
-and if still unbound then, waits in ``FastPath.early`` (``_remote_fast``) and is replayed
-then. A forwarded run the core did not make is an orphan: cancelled, and what it sends dropped.
+forwarded run instead of sending one. Every such decision (bind, keep what came early and
+replay it, orphan, cut, claim) is the pure machine's (``fastpath.FastPathCore``);
+``_remote_fast.FastPath`` carries its instructions out. What a forwarded run reported before
+its binding first waits at the fleet for the end of the loop turn (the machine says ``WAIT``;
+``_fleet_intake.Intake._later``), and if still unbound then, the machine keeps it.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from omniflow.cluster._remote_edges import Consumers, count_run, counting, total
 from omniflow.cluster._remote_ends import CallEnds
 from omniflow.cluster._remote_fast import FastPath
 from omniflow.cluster._remote_meta import WorkerQueries
-from omniflow.cluster._remote_pending import Key, Pending, Plan
+from omniflow.cluster._remote_pending import Key, Pending
 from omniflow.cluster._remote_pins import Pins
 from omniflow.cluster._remote_replies import Replies
 from omniflow.cluster._remote_routes import RouteTable
+from omniflow.cluster.fastpath._events import Bind
 from omniflow.data._plane import DEFAULT_THRESHOLD, DataPlane
 from omniflow.data._ref import DataRef
 from omniflow.data.kv._meta import MemoryMetadata
@@ -238,10 +240,10 @@ class RemoteRoles(Replies, Pins):
     def submit(self, call: Call, core: CallCore, act: Activation) -> None:
         """Run ``act`` on a replica of its role (all replicas for lb="broadcast"), or bind it to
         the run a worker forwarded for it."""
-        expect = self._fast.expect
-        if expect is not None:
-            hit = expect.pop(act.node, None)
-            if hit is not None and self._bind(call, core, act, *hit):
+        if self._fast.core.expect is not None:  # (a frame that forwarded runs is in the core)
+            bind = self._fast.made(call.call_id, act.node, act.group, act.seq[2], act.kwargs)
+            if bind is not None:
+                self._bind(call, core, act, bind)
                 return
         spec = core.c.specs[act.node]
         role = spec.role
@@ -269,7 +271,9 @@ class RemoteRoles(Replies, Pins):
         fw = None
         if self.fast_path and targets is not None and len(targets) == 1:
             plans, fw = self._route_table.of(core.c, call.graph, act.node)
-            p.routes = plans
+            if plans:
+                p.routes = plans
+                self._fast.started(key[0], key[1])
         # (``tuple.__new__``: the NamedTuple's own constructor is Python code.)
         run: Run = _new(Run, (
             call.call_id, act.aid, act.node, kwargs, call.session, act.group, act.seq[2],
@@ -283,6 +287,8 @@ class RemoteRoles(Replies, Pins):
             frames = encode_msg(run)
         except Exception as exc:
             del self._pending[key]
+            if p.routes:
+                self._fast.ended(key[0], key[1])
             self._on_done(
                 call,
                 core,
@@ -321,42 +327,20 @@ class RemoteRoles(Replies, Pins):
         heartbeat said it counted (``_remote_edges.totals``)."""
         return totals(self.edge_bytes, self.fleet.replicas.values(), self._plans)
 
-    def _bind(
-        self,
-        call: Call,
-        core: CallCore,
-        act: Activation,
-        wid: str,
-        plan: Plan,
-        q: int,
-        via: Replica,
-    ) -> bool:
-        """``act`` is the activation a worker already started as ``wid``: take it as sent.
-        False (``wid`` orphaned) if anything differs from what was forwarded."""
+    def _bind(self, call: Call, core: CallCore, act: Activation, bind: Bind) -> None:
+        """``act`` is the activation a worker already started as ``bind.wid`` (the fast-path
+        machine checked it is the one forwarded): take it as sent."""
+        plan = bind.plan
         rep = plan.rep
-        hop = plan.hop
-        kwargs = act.kwargs
-        if (
-            not rep.life.routable
-            or act.group != hop.group
-            or act.seq[2] != q
-            or len(kwargs) != 1
-            or hop.field not in kwargs
-        ):
-            self._fast.orphan(rep, call.call_id, wid)
-            return False
-        key = (call.call_id, wid)
-        p = self._pending[key] = Pending(self, key, call, core, act, [rep], plan.sub, via)
+        key = (call.call_id, bind.wid)
+        p = self._pending[key] = Pending(self, key, call, core, act, [rep], plan.sub, bind.via)
         call._tasks[act] = p
         if core.c.plan.params or self.track_calls:
             self._ends.replicas.setdefault(key[0], set()).add(rep)
         rep.held.add(key)
-        self._fast.forwarded += 1
-        self._fast.bound.append(key)
         self.fleet.intake.known = True  # (what waits for it need not wait for the next loop turn)
         if self.traced:
             core.placed(act, rep.replica_id)  # type: ignore[attr-defined]
-        return True
 
     # ------------------------------------------------------------------ the spin
 
@@ -465,6 +449,11 @@ class RemoteRoles(Replies, Pins):
             "orphaned": self._fast.orphaned,
             "forward_waiting": self._fast.waiting(),
         }
+
+    def fast_path_story(self, call_id: str) -> list[dict[str, Any]]:
+        """The moves of call ``call_id``'s forwarded runs, oldest first, as far as the fast-path
+        machine's bounded log reaches back (``FastPathCore.story``)."""
+        return self._fast.core.story(call_id)
 
     def wire_statistics(self) -> dict[str, Any]:
         """The authenticated wire and supervision as this front sees them (``Fleet``)."""

@@ -1,7 +1,8 @@
 """The router's handling of what replicas report about calls: frames, dones (one at a time
 or a ``Dones``), claims' answers and end-of-call answers, checked against the replica that
-runs each activation and handed to the runtime shell as stimuli; a forwarded run's results
-before its binding go to the fast path (``_remote_fast``)."""
+runs each activation and handed to the runtime shell as stimuli; a forwarded run's messages
+that its replica does not hold go to the fast path (``_remote_fast``, whose machine decides:
+wait at the fleet, keep, or drop)."""
 
 from __future__ import annotations
 
@@ -59,27 +60,20 @@ class Replies:
         ``may_wait``: a message (or the rest of a ``Dones``) about a forwarded run the front
         has not bound yet, whose binding frame may still come this loop turn, is handed back
         instead, for the fleet to deliver at the end of the turn (``_fleet_intake.Intake._later``):
-        then it needs no keeping and replaying (``FastPath.stray``)."""
+        then it needs no keeping and replaying (the fast-path machine's ``WAIT``)."""
         self._kick()
         # By exact type, the commonest first (a decoded message is never a subclass).
         if type(msg) is Dones:
             return self._on_dones(rep, msg, may_wait)
         elif type(msg) is Done:
             c, a = msg.call_id, msg.aid
-            if (
-                may_wait
-                and type(a) is str
-                and (c, a) not in rep.held
-                and not self._fast.is_orphan(c, a)
-            ):
-                return msg
+            if type(a) is str and (c, a) not in rep.held:
+                return msg if self._fast.unbound(rep, c, a, msg, may_wait) else None
             self._on_done_msg(rep, msg)
         elif type(msg) is Frames:  # consecutive frames of one generator act
             c, a, fs, xs = msg
             if (c, a) not in rep.held and type(a) is str:
-                if may_wait and not self._fast.is_orphan(c, a):
-                    return msg
-                self._fast.stray(rep, c, a, msg)
+                return msg if self._fast.unbound(rep, c, a, msg, may_wait) else None
             elif xs is None:
                 for frame in fs:
                     self._replica_frame(rep, c, a, frame)
@@ -91,9 +85,7 @@ class Replies:
         elif type(msg) is Frame:
             c, a, f, x = msg
             if (c, a) not in rep.held and type(a) is str:
-                if may_wait and not self._fast.is_orphan(c, a):
-                    return msg
-                self._fast.stray(rep, c, a, msg)
+                return msg if self._fast.unbound(rep, c, a, msg, may_wait) else None
             else:
                 self._replica_frame(rep, c, a, f, x)
         elif type(msg) is Claimed:
@@ -146,9 +138,8 @@ class Replies:
         key = (c, a)
         if key not in rep.held:
             if type(a) is str:
-                if may_wait and not self._fast.is_orphan(c, a):
-                    return True
-                self._fast.stray(rep, c, a, _new(Done, (c, a, f, None, None, False, None, x)))
+                done = _new(Done, (c, a, f, None, None, False, None, x))
+                return self._fast.unbound(rep, c, a, done, may_wait)
             else:
                 self._foreign(rep, c, a, "done")
             return False
@@ -170,7 +161,7 @@ class Replies:
         key = (c, a)
         if key not in rep.held:
             if type(a) is str:
-                self._fast.stray(rep, c, a, msg)
+                self._fast.unbound(rep, c, a, msg, False)
             else:
                 self._foreign(rep, c, a, "done")
             return
@@ -200,13 +191,11 @@ class Replies:
         if x is None:
             self._on_frame(p.call, p.core, p.act, frame)
             return
-        expect = self._fast.expecting(rep, p, k, x)
-        self._fast.expect = expect
+        self._fast.reported(rep, p, k, x)
         try:
             self._on_frame(p.call, p.core, p.act, frame)
         finally:
-            self._fast.expect = None
-        self._fast.settle(c, expect)
+            self._fast.handled(c)
 
     def _returned(self, rep: Replica, p: Pending, frame: Any, x: list[Any] | None) -> None:
         """The done of ``p``'s one replica with its coroutine's returned frame: one stimulus,
@@ -225,15 +214,13 @@ class Replies:
         if x is None:
             self._on_return(call, p.core, p.act, frame)
         else:
-            expect = self._fast.expecting(rep, p, p.k, x)
-            self._fast.expect = expect
+            self._fast.reported(rep, p, p.k, x)
             try:
                 self._on_return(call, p.core, p.act, frame)
             finally:
-                self._fast.expect = None
-            self._fast.settle(key[0], expect)
-        if p.routes:
-            self._fast.orphan_early(*key)
+                self._fast.handled(key[0])
+        if p.routes or p.via is not None:
+            self._fast.ended(*key)
 
     def _replica_done(self, rep: Replica | None, key: Key, err: Done | None) -> None:
         if rep is not None:
@@ -263,20 +250,21 @@ class Replies:
                 for ref in front_refs:
                     self.plane.release(ref)
             self._on_done(p.call, p.core, p.act, p.error)
-            if p.routes:
-                self._fast.orphan_early(*key)
+            if p.routes or p.via is not None:
+                self._fast.ended(*key)
 
     def _on_lost(self, rep: Replica, why: str) -> None:
         """``rep`` was lost: its pools leave the hosted metadata, what it held fails."""
         self._queries.lost(rep)
         self._ends.lost(rep)
-        self._fast.forget(rep)
-        for key in sorted(rep.held, key=str):
-            p = self._pending.get(key)
+        held = sorted(rep.held, key=str)
+        pending = self._pending
+        # (Its runs with routes are cut first: frames of theirs may never come.)
+        self._fast.lost(rep, tuple(k for k in held if k in pending and pending[k].routes))
+        for key in held:
+            p = pending.get(key)
             if p is None:
                 continue
-            if p.routes:
-                self._fast.cut.setdefault(key[0], set()).add(key[1])
             if p.error is None:
                 p.error = NodeError(
                     p.act.node,
@@ -286,4 +274,4 @@ class Replies:
                     graph=p.call.graph,
                 )
             self._replica_done(rep, key, None)
-        self._fast.lost(rep, why)
+        self._fast.ask_claims(rep, why)

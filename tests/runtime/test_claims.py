@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniflow.cluster._fleet import Replica
+from omniflow.cluster._forward import Hop
 from omniflow.cluster._remote import RemoteRoles
-from omniflow.cluster._remote_pending import Pending
+from omniflow.cluster._remote_pending import Pending, Plan
 from omniflow.cluster._replica import ReplicaEvent
+from omniflow.cluster.fastpath._events import Handled, Made, Reported
 from omniflow.transport._protocol import Claim, Claimed, decode_msg
 
 
@@ -32,14 +34,28 @@ def _front() -> tuple[RemoteRoles, list[tuple[str, BaseException | None]]]:
     return rr, ended
 
 
-def _bind(rr: RemoteRoles, c: str, wid: str, target: Replica, via: Replica | None) -> None:
-    """A forwarded run ``wid`` of call ``c``, bound to ``target``, forwarded by ``via``."""
+def _bind(rr: RemoteRoles, c: str, wid: str, target: Replica, via: Replica) -> None:
+    """A forwarded run ``wid`` (``"<n>.0.0"``) of call ``c``, bound to ``target``, forwarded
+    by ``via``: its parent's frame reported it, the core made it, the router bound it."""
     act = SimpleNamespace(node="m.run", wid=wid)
     core = SimpleNamespace(c=SimpleNamespace(specs={"m.run": SimpleNamespace(role="m")}))
     call = SimpleNamespace(call_id=c, graph="g")
+    fast = rr._fast.core
+    plan = Plan(Hop("x", "m.run", 0, "m", False), target, ())
+    parent = int(wid.split(".")[0])
+    fast.handle(Reported(via, c, parent, 0, [[0, wid]], (plan,), 0))
+    [bind] = fast.handle(Made(c, "m.run", 0, 0, {"x": 1}))
+    assert fast.handle(Handled(c)) == []
     key = (c, wid)
-    rr._pending[key] = Pending(rr, key, call, core, act, [target], (), via)  # type: ignore[arg-type]
+    rr._pending[key] = Pending(rr, key, call, core, act, [target], (), bind.via)  # type: ignore[arg-type]
     target.held.add(key)
+
+
+def _ready(n: int) -> list[Replica]:
+    reps = [Replica(f"r{i}", ["m"], f"uds:///r{i}") for i in range(n)]
+    for rep in reps:
+        rep.life.apply(ReplicaEvent.READY)
+    return reps
 
 
 def _claims(rep: Replica) -> list[Claim]:
@@ -71,14 +87,15 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
 
     async def main() -> None:
         rr, ended = _front()
-        reps = [Replica(f"r{i}", ["m"], f"uds:///r{i}") for i in range(4)]
-        for i in dead:
-            reps[i].life.apply(ReplicaEvent.LOST)
+        reps = _ready(4)
         bound: dict[tuple[str, str], tuple[int, int]] = {}
         for n, (c, via, target) in enumerate(runs):
             wid = f"{n}.0.0"
             _bind(rr, c, wid, reps[target], reps[via])
             bound[(c, wid)] = (via, target)
+        for i in dead:
+            reps[i].life.apply(ReplicaEvent.LOST)
+        reps[0].life.apply(ReplicaEvent.LOST)
         rr._on_lost(reps[0], "killed")
         ended_by_loss = {wid for wid, _ in ended}  # (runs replica 0 itself held)
         assert ended_by_loss == {w for (c, w), (_, t) in bound.items() if t == 0}
@@ -101,7 +118,8 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
             rr._on_message(reps[t], Claimed(r, c, [*sorted(lost), "9.9.9"]))  # (one not asked)
             rr._on_message(reps[t], Claimed(r, c, []))  # (answered already: foreign)
             failed |= {(c, w) for w in lost}
-        assert rr._fast.claims == {}
+        assert rr._fast.core.claims == {}
+        rr._fast.core.validate()
         now_ended = {w: e for w, e in ended if w not in ended_by_loss}
         assert set(now_ended) == {w for _, w in failed}
         assert len(now_ended) == len([w for w, _ in ended if w not in ended_by_loss])
@@ -110,7 +128,7 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
             t = bound[(c, w)][1]
             assert "replica lost" in str(err) and "'r0'" in str(err) and f"'r{t}'" in str(err)
             assert (c, w) not in rr._pending and (c, w) not in reps[t].held
-            assert rr._fast.orphans[c][w] is reps[t]  # (what it may still send is dropped)
+            assert rr._fast.core.orphans[c][w] is reps[t]  # (what it may still send is dropped)
         for key, (_v, t) in bound.items():
             if t != 0 and key not in failed:
                 assert key in rr._pending and key in reps[t].held
@@ -124,14 +142,20 @@ def test_a_lost_forwarders_runs_are_claimed_and_only_the_missing_ones_fail(
 def test_a_claim_for_a_replica_that_is_then_lost_is_forgotten() -> None:
     async def main() -> None:
         rr, ended = _front()
-        r0, r1 = Replica("r0", ["m"], "uds:///r0"), Replica("r1", ["m"], "uds:///r1")
+        r0, r1 = _ready(2)
         _bind(rr, "c", "1.0.0", r1, r0)
+        r0.life.apply(ReplicaEvent.LOST)
         rr._on_lost(r0, "killed")
         [claim] = _claims(r1)
-        assert list(rr._fast.claims) == [claim.request]
+        assert list(rr._fast.core.claims) == [claim.request]
         r1.life.apply(ReplicaEvent.LOST)
         rr._on_lost(r1, "killed")
-        assert rr._fast.claims == {}
+        assert rr._fast.core.claims == {}
+        rr._fast.core.validate()
+        assert [(m["on"], m["from"], m["to"]) for m in rr.fast_path_story("c")] == [
+            ("reported", "gone", "expected"), ("made", "expected", "bound"),
+            ("ended", "bound", "gone"),
+        ]  # fmt: skip
         [(wid, err)] = ended
         assert wid == "1.0.0" and "'r1'" in str(err)  # (lost with the replica that held it)
 

@@ -1,7 +1,7 @@
 """What a replica sent about runs the front has not bound yet waits for the end of the loop
 turn (``Intake._later``), behind the other connections read in it, instead of being kept and
-replayed by the front (``RemoteRoles._stray``): in order per connection, nothing lost, each
-handled once, and at most ``LATE_TURNS`` turns in a row."""
+replayed by the front (``FastPathCore``'s early messages): in order per connection, nothing
+lost, each handled once, and at most ``LATE_TURNS`` turns in a row."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ async def _front() -> tuple[RemoteRoles, Replica]:
         cluster_key=KEY,
     )
     rep = _replica("m2")
-    remote._pending[("c", "1.0.0")] = object()  # type: ignore[assignment]  # (a running parent)
+    remote._fast.started("c", "1.0.0")  # (a running parent)
     return remote, rep
 
 
@@ -230,11 +230,12 @@ async def _front_hands_back() -> None:
         dones = Dones(["c"] * 3, ["9.0.0.0.0", "1.0.0.0.0", "1.0.0.1.0"], [None] * 3, [None] * 3)
         rest = remote._on_message(rep, dones, True)
         assert rest == Dones(["c"] * 2, ["1.0.0.0.0", "1.0.0.1.0"], [None] * 2, [None] * 2)
-        assert not remote._fast.early  # nothing kept to replay
+        assert not remote._fast.core.early  # nothing kept to replay
         # Without leave to wait (the fleet's second look, or a replay), they are kept.
         assert rest is not None
         assert remote._on_message(rep, rest, False) is None
-        assert len(remote._fast.early["c"]) == 2
+        assert len(remote._fast.core.early["c"]) == 2
+        remote._fast.core.validate()
     finally:
         await remote.fleet.close()
 
