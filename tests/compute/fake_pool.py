@@ -6,6 +6,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
 from omniflow.compute._dit_sched import DenoisePlan, DenoiseScheduler
 from omniflow.compute._pages import PageIO, PageOp
 from omniflow.compute._scheduler import Scheduler, StepPlan
@@ -52,6 +55,12 @@ class FakePool:
                 break
             self.resident.discard(page)
 
+    def squeeze(self, pages: int) -> None:
+        """Another user takes up to ``pages`` free pages (published ones are evicted for it)."""
+        free = self.capacity - len(self.pinned()) - self.other
+        self.other += min(pages, max(free, 0))
+        self.trim()
+
     def match(self, owner: str, chain: list[int]) -> list[int]:
         got = list(itertools.takewhile(lambda p: p in self.resident, chain))
         if got:
@@ -86,3 +95,18 @@ def carry(
             sched.remove(io.seq)
         done.append(io)
     return done
+
+
+class Squeezed(RuleBasedStateMachine):
+    """The rules of a state machine whose ``pool`` another user squeezes now and then."""
+
+    pool: FakePool
+
+    @rule(pages=st.integers(1, 6))
+    def squeeze(self, pages: int) -> None:
+        """Another user of the pool takes free pages (the budget cannot know it)."""
+        self.pool.squeeze(pages)
+
+    @rule()
+    def relax(self) -> None:
+        self.pool.other = 0

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from omniflow.compute._dit_sched import DenoisePlan, DenoiseScheduler, DitSeq, StepKind
 from omniflow.compute._pages import PageOp
 from omniflow.compute._sequence import SeqStatus
-from tests.compute.fake_pool import FakePool, carry
+from tests.compute.fake_pool import FakePool, Squeezed, carry
 
 PT = 4  #: tokens per page in these tests
 
@@ -188,7 +188,7 @@ def test_validate_catches_pages_that_bypass_the_ledger() -> None:
 # ---- the state machine --------------------------------------------------------------------
 
 
-class Pictures(RuleBasedStateMachine):
+class Pictures(Squeezed):
     """Arrivals (some on the LLM's published context), steps, aborts and another user
     squeezing the pool, carried out like the engine's shell: every running picture with its
     pages steps, newcomers join from the queue's head, a picture with its own pages is never
@@ -266,17 +266,6 @@ class Pictures(RuleBasedStateMachine):
         self.sched.remove(s)
         assert s.status is SeqStatus.FINISHED
         self.to_release.append(s)
-
-    @rule(pages=st.integers(1, 6))
-    def squeeze(self, pages: int) -> None:
-        """Another user of the pool takes free pages (the budget cannot know it)."""
-        free = self.pool.capacity - len(self.pool.pinned()) - self.pool.other
-        self.pool.other += min(pages, max(free, 0))
-        self.pool.trim()
-
-    @rule()
-    def relax(self) -> None:
-        self.pool.other = 0
 
     @invariant()
     def valid(self) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from omniflow.compute._pages import PageOp
 from omniflow.compute._scheduler import Scheduler, StepPlan
 from omniflow.compute._sequence import SeqStatus, Sequence
-from tests.compute.fake_pool import FakePool, carry
+from tests.compute.fake_pool import FakePool, Squeezed, carry
 
 PT = 4  #: tokens per page in these tests
 
@@ -321,7 +321,7 @@ def test_bad_budgets_are_rejected() -> None:
 # ---- the state machine --------------------------------------------------------------------
 
 
-class PagesMachine(RuleBasedStateMachine):
+class PagesMachine(Squeezed):
     """Arrivals (some matching published prefixes), steps, cancels, budget changes and another
     user squeezing the pool, carried out like the engine's shell: the ledger equals the pool's
     pins, pages held never pass the budget, the pool refuses only what the budget could not
@@ -416,17 +416,6 @@ class PagesMachine(RuleBasedStateMachine):
         size = max(size, len(self.pool.pinned()) + self.pool.other)
         self.pool.capacity = self.sched.budget = size
         self.pool.trim()
-
-    @rule(pages=st.integers(1, 6))
-    def squeeze(self, pages: int) -> None:
-        """Another user of the pool takes free pages (the budget cannot know it)."""
-        free = self.pool.capacity - len(self.pool.pinned()) - self.pool.other
-        self.pool.other += min(pages, max(free, 0))
-        self.pool.trim()
-
-    @rule()
-    def relax(self) -> None:
-        self.pool.other = 0
 
     @invariant()
     def valid(self) -> None:
