@@ -5,7 +5,7 @@
 >>> #     def _load_model(self): ...            # on the engine's thread
 >>> #     def _build(self, model, pool): ...    # runner + pure scheduler over the pool
 >>> #     async def _admit(self, request): ...  # request -> stream (matching, pins)
->>> #     async def _plan(self): ...            # schedule + allocate pages
+>>> #     async def _plan(self): ...            # schedule, then self._carry_out(plan)
 >>> #     def _step(self, plan): ...            # one forward pass, on the engine's thread
 >>> #     def _apply(self, plan, result): ...   # outputs -> streams (or kept for _emit)
 
@@ -30,11 +30,18 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypedDict, TypeVar
 
 import torch
 
+from omniflow._exceptions import PoolExhaustedError
+from omniflow.compute._arch import (
+    check_architecture,
+    engine_for_architecture,
+    read_architectures,
+    register,
+)
 from omniflow.compute._colocate import PoolSeat
-from omniflow.compute._config import read_config_json
-from omniflow.compute._errors import EngineError, EngineProcessError, ModelLoadError
-from omniflow.compute._kv import PagePool
+from omniflow.compute._errors import EngineError, EngineProcessError
+from omniflow.compute._kv import KvCache, PagePool
 from omniflow.compute._outbox import StreamLike
+from omniflow.compute._pages import PageIO, PageOp
 from omniflow.compute._pool import resolve_pool
 
 __all__ = [
@@ -58,10 +65,6 @@ class EngineOptions(TypedDict, total=False):
     share_weights: bool
 
 
-#: architecture name (config.json "architectures") -> the engine class that runs it
-_ENGINES: dict[str, type[EngineBase[Any, Any, Any]]] = {}
-
-
 class _Output(Protocol):
     @property
     def finished(self) -> bool: ...
@@ -77,25 +80,18 @@ class _Scheduler(Protocol):
 
     def remove(self, seq: Any) -> None: ...
 
+    def allocated(self, seq: Any, slots: list[int]) -> None: ...
+
+    def refused(self, plan: Any, seq: Any, why: str) -> None: ...
+
+
+class _Runner(Protocol):
+    def attach(self, seq: Any) -> None: ...
+
 
 ReqT = TypeVar("ReqT")
 OutT = TypeVar("OutT", bound=_Output)
 StreamT = TypeVar("StreamT", bound=StreamLike)
-
-
-def read_architectures(model_dir: str | Path) -> tuple[str, ...]:
-    """The ``architectures`` a checkpoint's ``config.json`` names (empty when it names none)."""
-    raw = read_config_json(model_dir)
-    archs = raw.get("architectures") if isinstance(raw, dict) else None
-    return tuple(a for a in archs or () if isinstance(a, str))
-
-
-def engine_for_architecture(model_dir: str | Path) -> type[EngineBase[Any, Any, Any]] | None:
-    """The engine class that runs ``model_dir`` by its config's architecture, if one claims it."""
-    for arch in read_architectures(model_dir):
-        if arch in _ENGINES:
-            return _ENGINES[arch]
-    return None
 
 
 class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
@@ -109,11 +105,12 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
 
     #: config.json architectures this engine runs (others are refused with the right class)
     architectures: ClassVar[frozenset[str]] = frozenset()
+    _kv: KvCache  #: the pool seam, once the pool is open
+    _runner: _Runner  #: the subclass's model runner (page views per sequence), once built
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for arch in cls.__dict__.get("architectures", ()):
-            _ENGINES[arch] = cls
+        register(cls, cls.__dict__.get("architectures", frozenset()))
 
     def __init__(
         self,
@@ -195,6 +192,10 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
     def _plan_seqs(self, plan: Any) -> list[Any]:
         """The sequences of ``plan`` (failed together when the forward pass raises)."""
 
+    @abc.abstractmethod
+    async def _page_io(self, io: PageIO[Any]) -> None:
+        """Carry out a ``PREEMPT`` or ``FAIL`` of the plan (``_carry_out`` does ``ALLOC``)."""
+
     async def _on_release(self, stream: StreamT) -> None:
         """Before a finished/aborted sequence's pins are released (e.g. publish its pages)."""
 
@@ -233,7 +234,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="omniflow-engine")
             seat = self._seat
             try:
-                self._check_architecture()
+                check_architecture(type(self), self.model_dir)
                 if seat is not None:
                     seat.arrive()  # partners in other processes see this role load (or die)
                 model = await loop.run_in_executor(self._executor, self._load_model)
@@ -260,20 +261,6 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         dtype = str(model.dtype).removeprefix("torch.")
         return int(layout_for(model.cfg, page_tokens=self.page_tokens, dtype=dtype).page_bytes)
 
-    def _check_architecture(self) -> None:
-        """Refuse a checkpoint another engine claims, naming that engine. Architectures nobody
-        claims are left to the loader (``TorchEngine`` goes by ``model_type``, so old spellings
-        such as ``LLaMAForCausalLM`` still load)."""
-        archs = read_architectures(self.model_dir)
-        other = engine_for_architecture(self.model_dir)
-        if other is None or set(archs) & self.architectures or issubclass(type(self), other):
-            return
-        raise ModelLoadError(
-            f"{self.model_dir / 'config.json'} names architectures {list(archs)}, which "
-            f"{type(self).__name__} does not run; run it with {other.__name__}",
-            path=str(self.model_dir),
-        )
-
     async def _open(self, model: Any) -> None:
         """Resolve the pool, build the runner and the scheduler; the engine is then ready."""
         if self._ready is None or self._ready.done():
@@ -281,6 +268,7 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
         self.kv_pool = await resolve_pool(self, model)
         layout = getattr(self.kv_pool, "layout", None)
         self.page_tokens = int(getattr(layout, "page_tokens", self.page_tokens))
+        self._kv = KvCache(self.kv_pool, model.cfg.num_layers, self.page_tokens)
         self._sched = self._build(model, self.kv_pool)
         self._ready.set_result(None)
 
@@ -440,6 +428,25 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
                 self._inflight = set()
             self.steps += 1
             self._apply(plan, result)
+
+    async def _carry_out(self, plan: Any) -> None:
+        """Carry out ``plan.io`` (the pool I/O its scheduler decided) in order and report each
+        outcome back; a refusal lets the scheduler decide again (it may change the rest)."""
+        pool, sched = self.kv_pool, self._sched
+        assert pool is not None and sched is not None
+        while plan.io:
+            io = plan.io.popleft()
+            if io.op is PageOp.ALLOC:
+                try:
+                    fresh = await pool.alloc(io.seq.request_id, io.pages)
+                except PoolExhaustedError as exc:
+                    sched.refused(plan, io.seq, str(exc))
+                    continue
+                self._kv.zero(fresh)
+                sched.allocated(io.seq, fresh)
+                self._runner.attach(io.seq)
+            else:
+                await self._page_io(io)
 
     async def _open_seat(self, model: Any) -> None:
         """With a barrier seat: wait for the co-located pool, then open it."""

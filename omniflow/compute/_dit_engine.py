@@ -9,8 +9,10 @@ Same weight loading (a safetensors directory whose config names ``OmniflowDiT``)
 access, same step loop as ``TorchEngine`` (``EngineBase``). A request names the LLM's published
 prompt chain (``PublishedPrefix``); admission matches it in the pool under the request's id, so
 the prompt's pages are pinned, not copied, and become the first pages of the picture's sequence.
-Each loop iteration runs one denoising step of every running picture as one forward pass
-(``DenoiseScheduler``: pictures arriving meanwhile join at the next step).
+Each loop iteration carries out the pool I/O the ``DenoiseScheduler`` planned (a picture's own
+pages at its first step; one the pool cannot hold yet waits, or fails when it cannot fit even
+alone) and runs one denoising step of every running picture as one forward pass (pictures
+arriving meanwhile join at the next step).
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ from typing import Any, Unpack
 
 import torch
 
-from omniflow._exceptions import PoolExhaustedError
 from omniflow.compute._base import EngineBase, EngineOptions
 from omniflow.compute._dit import ARCH, DitConfig, DitModel, load_dit
-from omniflow.compute._dit_sched import DenoiseScheduler, DitSeq, StepKind
+from omniflow.compute._dit_sched import DenoisePlan, DenoiseScheduler, DitSeq, StepKind
 from omniflow.compute._engine import PublishedPrefix
 from omniflow.compute._errors import EngineError, RequestError
 from omniflow.compute._kv import KvCache, PagePool
 from omniflow.compute._model import ForwardBatch, SeqSlice
 from omniflow.compute._outbox import Outbox
+from omniflow.compute._pages import PageIO, PageOp
 from omniflow.compute._sequence import EMBED, SeqStatus
 
 __all__ = ["DenoiseOutput", "DenoiseRequest", "DiTEngine", "DitRunner"]
@@ -170,7 +172,8 @@ class DiTEngine(EngineBase[DenoiseRequest, DenoiseOutput, Outbox[DitSeq]]):
     """
 
     architectures = frozenset({ARCH})
-    _sched: DenoiseScheduler  #: the pure batching decisions, once started
+    _sched: DenoiseScheduler  #: the pure batching and page decisions, once started
+    _runner: DitRunner  #: the DiT and the pictures' page views, once started
 
     def __init__(self, model_dir: str | Path, **options: Unpack[EngineOptions]) -> None:
         options.setdefault("max_batch", 8)  # the DiT engine's own defaults
@@ -188,22 +191,28 @@ class DiTEngine(EngineBase[DenoiseRequest, DenoiseOutput, Outbox[DitSeq]]):
         self.config = model.cfg
 
     def _build(self, model: Any, pool: PagePool) -> DenoiseScheduler:
-        self._kv = KvCache(pool, model.cfg.num_layers, self.page_tokens)
         self._runner = DitRunner(model, self._kv)
-        self._sched = DenoiseScheduler(max_batch=self.max_batch)
+        self._sched = DenoiseScheduler(
+            max_batch=self.max_batch,
+            page_tokens=self.page_tokens,
+            # A private pool is this engine's alone: its pages are the budget. A pool shared
+            # with the LLM keeps pages the DiT cannot see; its refusals are reported as they come.
+            budget=self.pool_pages if self._own_pool else None,
+        )
         return self._sched
 
-    def _plan_ids(self, plan: list[DitSeq]) -> set[str]:
-        return {s.request_id for s in plan}
+    def _plan_ids(self, plan: DenoisePlan) -> set[str]:
+        return {s.request_id for s in plan.items}
 
-    def _plan_seqs(self, plan: list[DitSeq]) -> list[DitSeq]:
-        return plan
+    def _plan_seqs(self, plan: DenoisePlan) -> list[DitSeq]:
+        return plan.items
 
-    def _step(self, plan: list[DitSeq]) -> list[torch.Tensor]:
-        return self._runner.step(plan)
+    def _step(self, plan: DenoisePlan) -> list[torch.Tensor]:
+        return self._runner.step(plan.items)
 
     def _detach(self, request_id: str) -> None:
         self._runner.detach(request_id)
+        self._sched.released(request_id)  # its pages are back in the pool
 
     # ---- requests --------------------------------------------------------------------------
     async def _admit(self, request: DenoiseRequest) -> Outbox[DitSeq]:
@@ -266,43 +275,27 @@ class DiTEngine(EngineBase[DenoiseRequest, DenoiseOutput, Outbox[DitSeq]]):
         seq.context_len = ctx.tokens
 
     # ---- the step loop (EngineBase._run carries these out) --------------------------------
-    async def _plan(self) -> list[DitSeq] | None:
-        """Every running picture's next step; a picture without its own pages gets them first
-        (if the pool is full it waits for others to finish, or fails when it is alone)."""
-        assert self.kv_pool is not None
-        kept: list[DitSeq] = []
-        for seq in self._sched.schedule():
-            if not seq.own_pages:
-                try:
-                    fresh = await self.kv_pool.alloc(seq.request_id, self._own_pages(seq))
-                except PoolExhaustedError as exc:
-                    self._wait_for_pages(seq, exc)
-                    continue
-                self._kv.zero(fresh)
-                seq.slots.extend(fresh)
-                seq.own_pages = True
-                self._runner.attach(seq)
-            kept.append(seq)
-        return kept or None
+    async def _plan(self) -> DenoisePlan | None:
+        """Every running picture's next step, after the pool I/O its scheduler decided."""
+        plan = self._sched.schedule()
+        await self._carry_out(plan)
+        return plan if plan.items else None
 
-    def _own_pages(self, seq: DitSeq) -> int:
-        return -(-seq.num_tokens // self.page_tokens)
-
-    def _wait_for_pages(self, seq: DitSeq, exc: PoolExhaustedError) -> None:
-        if any(s.own_pages for s in self._sched.running if s is not seq):
-            self._sched.requeue(seq)  # pages come back when a running picture finishes
-            return
+    async def _page_io(self, io: PageIO[DitSeq]) -> None:
+        """A ``FAIL`` (the DiT's scheduler never preempts: a picture keeps its pages)."""
+        assert io.op is PageOp.FAIL, io
+        seq = io.seq
         self._fail(
             seq,
             EngineError(
                 f"request {seq.request_id!r}: the KV pool cannot hold the picture's "
-                f"{seq.num_tokens} image tokens ({self._own_pages(seq)} pages) next to its "
-                f"context even alone ({exc}); raise the pool's capacity"
+                f"{seq.num_tokens} image tokens ({self._sched.own_pages(seq)} pages) next to its "
+                f"context even alone ({io.why}); raise the pool's capacity"
             ),
         )
 
-    def _apply(self, plan: list[DitSeq], latents: list[torch.Tensor]) -> None:
-        for seq, x in zip(plan, latents, strict=True):
+    def _apply(self, plan: DenoisePlan, latents: list[torch.Tensor]) -> None:
+        for seq, x in zip(plan.items, latents, strict=True):
             if seq.status is SeqStatus.FINISHED:
                 continue  # aborted while the step ran
             kind = seq.advance(x)

@@ -29,17 +29,17 @@ from typing import Any, Self, Unpack
 
 import torch
 
-from omniflow._exceptions import PoolExhaustedError
 from omniflow.compute._base import EngineBase, EngineOptions
 from omniflow.compute._config import ModelConfig
 from omniflow.compute._errors import EngineError, RequestError
 from omniflow.compute._inputs import build_inputs
-from omniflow.compute._kv import KvCache, PagePool, page_keys
+from omniflow.compute._kv import PagePool, page_keys
 from omniflow.compute._loader import load_model, resolve_device
+from omniflow.compute._pages import PageIO, PageOp
 from omniflow.compute._procrunner import EngineProcess, ProcessRunner
 from omniflow.compute._request import GenerateRequest, SamplingParams, StepOutput
 from omniflow.compute._runner import ModelRunner
-from omniflow.compute._scheduler import PageOp, Scheduler, StepPlan
+from omniflow.compute._scheduler import Scheduler, StepPlan
 from omniflow.compute._segments import SegmentFeeds
 from omniflow.compute._sequence import SeqStatus, Sequence
 from omniflow.compute._session import SessionHistory
@@ -193,7 +193,6 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
 
     def _build(self, model: Any, pool: PagePool) -> Scheduler:
-        self._kv = KvCache(pool, model.cfg.num_layers, self.page_tokens)
         if self._proc is not None:
             self._runner: ModelRunner | ProcessRunner = ProcessRunner(
                 self._proc, self._kv, model, max_rows=self.max_step_tokens
@@ -394,37 +393,24 @@ class TorchEngine(EngineBase[GenerateRequest, StepOutput, Stream], Engine):
         else:
             stream.push(out)
 
-    async def _carry_out(self, plan: StepPlan) -> None:
-        """Carry out the plan's pool I/O in order and report each outcome to the scheduler."""
-        pool, sched = self.kv_pool, self._sched
+    async def _page_io(self, io: PageIO[Sequence]) -> None:
+        """A ``PREEMPT`` (pages released, the sequence requeued) or a ``FAIL`` of the plan."""
+        pool, seq = self.kv_pool, io.seq
         assert pool is not None
-        while plan.io:
-            io = plan.io.popleft()
-            seq = io.seq
-            if io.op is PageOp.ALLOC:
-                try:
-                    fresh = await pool.alloc(seq.request_id, io.pages)
-                except PoolExhaustedError as exc:
-                    sched.refused(plan, seq, str(exc))  # its fate and the rest, replanned
-                    continue
-                self._kv.zero(fresh)
-                sched.allocated(seq, fresh)
-                self._runner.attach(seq)
-            elif io.op is PageOp.PREEMPT:
-                # Layer 1 makes this safe: the tokens stay on the host, the KV is recomputed.
-                self.preemptions += 1
-                await pool.release(seq.request_id)
-                self._runner.detach_pages(seq.request_id)
-                sched.preempted(seq)
-            else:
-                self._fail(
-                    seq,
-                    EngineError(
-                        f"request {seq.request_id!r}: the KV pool cannot hold "
-                        f"{len(seq.tokens)} tokens even alone ({io.why}); raise the pool's "
-                        "capacity or shorten the prompt"
-                    ),
-                )
+        if io.op is PageOp.PREEMPT:
+            # Layer 1 makes this safe: the tokens stay on the host, the KV is recomputed.
+            self.preemptions += 1
+            await pool.release(seq.request_id)
+            self._runner.detach_pages(seq.request_id)
+            self._sched.preempted(seq)
+            return
+        self._fail(
+            seq,
+            EngineError(
+                f"request {seq.request_id!r}: the KV pool cannot hold {len(seq.tokens)} tokens "
+                f"even alone ({io.why}); raise the pool's capacity or shorten the prompt"
+            ),
+        )
 
     async def _on_release(self, stream: Stream) -> None:
         """A finished sequence's full pages become the session's chain; history recorded."""

@@ -30,32 +30,14 @@ carries the ``io`` out in order (pool calls, page views) and reports back: ``all
 
 from __future__ import annotations
 
-import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from omniflow.compute._pages import PageIO, PageLedger, PageOp
 from omniflow.compute._queues import RunQueues
 from omniflow.compute._sequence import SeqStatus, Sequence
 
 __all__ = ["PageIO", "PageOp", "Scheduler", "StepPlan"]
-
-
-class PageOp(enum.Enum):
-    """What the shell does with the pool for one sequence before the forward pass."""
-
-    ALLOC = "alloc"  #: allocate ``pages`` fresh pages, zero them, attach them; then ``allocated``
-    PREEMPT = "preempt"  #: release the sequence's pages, forget their views; then ``preempted``
-    FAIL = "fail"  #: fail the request: its pages cannot be had even with nothing else running
-
-
-@dataclass(frozen=True, slots=True)
-class PageIO:
-    """One instruction of a plan's pool I/O."""
-
-    op: PageOp  #: what to do
-    seq: Sequence  #: for which sequence
-    pages: int = 0  #: ALLOC: pages to allocate; PREEMPT, FAIL: distinct pages it held
-    why: str = ""  #: PREEMPT/FAIL: the budget or the pool's refusal that decided it
 
 
 @dataclass(slots=True)
@@ -64,7 +46,7 @@ class StepPlan:
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)  #: (sequence, new tokens)
     #: pool I/O to carry out first, in order (the shell pops from the left)
-    io: deque[PageIO] = field(default_factory=deque)
+    io: deque[PageIO[Sequence]] = field(default_factory=deque)
     #: every item scheduled, before the budget dropped the preempted and failed ones
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
 
@@ -94,32 +76,28 @@ class Scheduler(RunQueues[Sequence]):
         #: most pool pages this engine's sequences hold at once (None: only the pool's
         #: refusals bound them, for a pool shared with other users)
         self.budget = budget
-        self._refs: Counter[int] = Counter()  #: page -> sequences pinning it (ledger)
-        #: sequences whose pages are pinned: queued, or removed and not yet ``released``
-        self._holders: dict[str, Sequence] = {}
+        #: the pages its sequences pin: queued, or removed and not yet ``released``
+        self.ledger: PageLedger[Sequence] = PageLedger()
 
     # ---- the ledger ------------------------------------------------------------------------
     @property
     def held(self) -> int:
         """Distinct pool pages the engine's sequences pin now."""
-        return len(self._refs)
+        return self.ledger.held
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; the pages it already holds (a matched prefix) join the ledger."""
         super().add(seq)
-        self._holders[seq.request_id] = seq
-        self._refs.update(seq.slots)
+        self.ledger.pin(seq)
 
     def allocated(self, seq: Sequence, slots: list[int]) -> None:
         """The pool gave ``seq`` the ``slots`` of its ``ALLOC``."""
-        seq.slots.extend(slots)
-        self._refs.update(slots)
+        self.ledger.grow(seq, slots)
 
     def preempted(self, seq: Sequence) -> None:
         """The shell released a ``PREEMPT``ed sequence's pages: it waits to be recomputed
         (unless it was aborted meanwhile: then it only leaves the ledger's count)."""
-        self._refs.subtract(seq.slots)
-        self._refs -= Counter()  # drop the pages no one pins any more
+        self.ledger.unpin(seq.slots)
         seq.slots, seq.num_computed = [], 0
         if seq.status is not SeqStatus.FINISHED:
             self.requeue(seq)
@@ -127,10 +105,7 @@ class Scheduler(RunQueues[Sequence]):
     def released(self, request_id: str) -> None:
         """A finished or aborted sequence's pages are back in the pool (its ``slots`` stay, for
         the publication that came before)."""
-        seq = self._holders.pop(request_id, None)
-        if seq is not None and seq.slots:
-            self._refs.subtract(seq.slots)
-            self._refs -= Counter()
+        self.ledger.release(request_id)
 
     # ---- planning --------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -182,13 +157,13 @@ class Scheduler(RunQueues[Sequence]):
 
     def _place(
         self, items: list[tuple[Sequence, int]], gone: Counter[int], out: set[str]
-    ) -> tuple[list[tuple[Sequence, int]], list[PageIO]]:
+    ) -> tuple[list[tuple[Sequence, int]], list[PageIO[Sequence]]]:
         """Walk ``items`` in order against the budget: the items kept and the I/O. ``gone``:
         pins the I/O so far gives back; ``out``: sequences it preempts or fails. A sequence
         whose pages do not fit preempts the newest sequences running after it, so the oldest
         always advances (no two sequences preempt each other forever)."""
         kept: list[tuple[Sequence, int]] = []
-        io: list[PageIO] = []
+        io: list[PageIO[Sequence]] = []
         budget = self.budget
         free = None if budget is None else budget - self.held
         for seq, n in items:
@@ -199,7 +174,7 @@ class Scheduler(RunQueues[Sequence]):
                 kept.append((seq, n))
                 continue
             if free is not None and budget is not None:
-                free += self._freed(gone)
+                free += self.ledger.freed(gone)
                 if len(set(seq.slots)) + need > budget:  # could never fit
                     why = f"needs {len(set(seq.slots)) + need} pages, the budget is {budget}"
                     io.append(PageIO(PageOp.FAIL, seq, len(set(seq.slots)), why))
@@ -215,7 +190,7 @@ class Scheduler(RunQueues[Sequence]):
                     for x in planned:  # earlier in this step: it allocates nothing now
                         io.remove(x)
                         free += x.pages
-                    free += self._freed(gone)
+                    free += self.ledger.freed(gone)
             if free is None or need <= free:
                 io.append(PageIO(PageOp.ALLOC, seq, need))
                 kept.append((seq, n))
@@ -247,7 +222,7 @@ class Scheduler(RunQueues[Sequence]):
         return newer[0] if newer else None
 
     def _could_free(
-        self, seq: Sequence, gone: Counter[int], out: set[str], io: list[PageIO]
+        self, seq: Sequence, gone: Counter[int], out: set[str], io: list[PageIO[Sequence]]
     ) -> int:
         """Pages preempting every sequence newer than ``seq`` would give it (their planned
         allocations and the pages only they pin): they are preempted only when that suffices,
@@ -258,29 +233,21 @@ class Scheduler(RunQueues[Sequence]):
             if s.request_id in newer:
                 trial.update(set(s.slots))
         planned = sum(x.pages for x in io if x.op is PageOp.ALLOC and x.seq.request_id in newer)
-        return planned + sum(1 for p, n in trial.items() if n and self._refs[p] <= n)
+        return planned + sum(1 for p, n in trial.items() if n and self.ledger.refs[p] <= n)
 
-    def _preempt(self, seq: Sequence, gone: Counter[int], why: str) -> PageIO:
+    def _preempt(self, seq: Sequence, gone: Counter[int], why: str) -> PageIO[Sequence]:
         gone.update(set(seq.slots))
         return PageIO(PageOp.PREEMPT, seq, len(set(seq.slots)), why)
 
-    def _freed(self, gone: Counter[int]) -> int:
-        """Pages the releases counted in ``gone`` free (no sequence pins them any more); they
-        are taken out of ``gone`` so that each is credited once."""
-        freed = [p for p, n in gone.items() if n and self._refs[p] <= n]
-        for p in freed:
-            gone[p] = 0
-        return len(freed)
-
     def _evict(
         self, seq: Sequence, gone: Counter[int], out: set[str], why: str, *, coming: bool = False
-    ) -> PageIO:
+    ) -> PageIO[Sequence]:
         """``seq`` cannot have its pages: preempt it while others run or a finished (or failing:
         ``coming``) sequence is about to give pages back; otherwise it cannot fit even alone and
         fails."""
         others = any(s is not seq and s.request_id not in out for s in self.running)
         finishing = coming or any(
-            s.status is SeqStatus.FINISHED and s.slots for s in self._holders.values()
+            s.status is SeqStatus.FINISHED and s.slots for s in self.ledger.holders.values()
         )
         if not others and not finishing:
             return PageIO(PageOp.FAIL, seq, 0, why)
@@ -292,8 +259,4 @@ class Scheduler(RunQueues[Sequence]):
         self.validate_queues("sequence")
         for s in self.running:
             assert 0 <= s.num_computed < len(s.tokens), f"{s}: computed out of range"
-        for s in [*self.running, *self.waiting]:
-            assert self._holders.get(s.request_id) is s, f"{s} queued but not in the ledger"
-        want = Counter(p for s in self._holders.values() for p in s.slots)
-        assert +self._refs == want, f"page ledger {dict(self._refs)} != pins {dict(want)}"
-        assert all(n > 0 for n in self._refs.values()), "a page pinned by no one is counted"
+        self.ledger.validate([*self.running, *self.waiting])

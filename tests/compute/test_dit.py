@@ -336,6 +336,32 @@ async def test_private_pool_denoises_unconditioned(dirs: tuple[Path, Path]) -> N
         assert dit.kv_pool is not None and dit.kv_pool.stats()["pinned"] == 0
 
 
+async def test_pictures_a_private_pool_cannot_hold_together_wait_their_turn(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Pool I/O the scheduler planned: with room for one picture's pages at a time the others
+    wait (never more pages pinned than the pool's size) and each equals the picture denoised
+    alone; a picture the pool cannot hold even alone fails with an error saying what to do."""
+    reqs = [lambda i=i: DenoiseRequest(steps=2, seed=i, preview_every=1) for i in range(3)]
+    async with DiTEngine(dirs[1], device="cpu", pool_pages=4) as roomy:
+        alone = [(await denoise(roomy, make()))[-1].latents for make in reqs]
+    async with DiTEngine(dirs[1], device="cpu", pool_pages=1, max_batch=4) as dit:
+        seen = spy_steps(dit)
+        outs = await asyncio.gather(*(denoise(dit, make()) for make in reqs))
+        assert max(len(step) for step in seen) == 1  # one picture's page at a time
+        assert dit._sched.held == 0 and dit.kv_pool is not None
+        assert dit.kv_pool.stats()["pinned"] == 0
+    for got, want in zip(outs, alone, strict=True):
+        assert torch.equal(got[-1].latents, want)
+    big = make_tiny_dit(tmp_path / "d40", heads=4, kv_heads=2, head_dim=16, layers=2, num_tokens=40)
+    async with DiTEngine(big, device="cpu", pool_pages=2) as dit:
+        with pytest.raises(
+            EngineError, match=r"40 image tokens \(3 pages\).*even alone \("
+        ) as info:
+            await denoise(dit, DenoiseRequest(steps=2, request_id="big"))
+        assert "'big'" in str(info.value) and "budget is 2" in str(info.value)
+
+
 async def test_paged_views_and_the_grouped_attention_agree(
     engines: tuple[TorchEngine, DiTEngine, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

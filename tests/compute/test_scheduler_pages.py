@@ -3,15 +3,15 @@ machine that carries the I/O out against a fake pool the way ``TorchEngine``'s s
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
-from omniflow.compute._scheduler import PageIO, PageOp, Scheduler, StepPlan
+from omniflow.compute._pages import PageOp
+from omniflow.compute._scheduler import Scheduler, StepPlan
 from omniflow.compute._sequence import SeqStatus, Sequence
+from tests.compute.fake_pool import FakePool, Squeezed, carry
 
 PT = 4  #: tokens per page in these tests
 
@@ -31,80 +31,6 @@ def ops(plan: StepPlan) -> list[tuple[str, str, int]]:
 def names(plan: StepPlan | list[tuple[Sequence, int]]) -> list[tuple[str, int]]:
     items = plan.items if isinstance(plan, StepPlan) else plan
     return [(s.request_id, n) for s, n in items]
-
-
-class Refused(Exception):
-    pass
-
-
-class FakePool:
-    """Pages pinned per owner, published pages kept (evictable) until room is needed, and pages
-    another user holds (``other``): what the engine's ``ParamsPool`` answers, in a few lines."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.pins: dict[str, set[int]] = {}
-        self.cached: list[list[int]] = []  #: published chains (pages stay until evicted)
-        self.resident: set[int] = set()
-        self.other = 0
-        self.refusals = 0
-        self._ids = itertools.count(100)  # the tests' made-up pages are below 100
-
-    def pinned(self) -> set[int]:
-        return set().union(*self.pins.values()) if self.pins else set()
-
-    def alloc(self, owner: str, n: int) -> list[int]:
-        if len(self.pinned()) + self.other + n > self.capacity:
-            self.refusals += 1
-            raise Refused(f"{n} pages: {len(self.pinned())} pinned, {self.other} elsewhere")
-        pinned = self.pinned()
-        for page in sorted(self.resident - pinned):  # evict published pages, oldest first
-            if len(self.resident) + self.other + n <= self.capacity:
-                break
-            self.resident.discard(page)
-        fresh = [next(self._ids) for _ in range(n)]
-        self.resident.update(fresh)
-        self.pins.setdefault(owner, set()).update(fresh)
-        return fresh
-
-    def trim(self) -> None:
-        """Evict published pages until what is resident fits beside the other user's."""
-        for page in sorted(self.resident - self.pinned()):
-            if len(self.resident) + self.other <= self.capacity:
-                break
-            self.resident.discard(page)
-
-    def match(self, owner: str, chain: list[int]) -> list[int]:
-        got = list(itertools.takewhile(lambda p: p in self.resident, chain))
-        if got:
-            self.pins.setdefault(owner, set()).update(got)
-        return got
-
-    def release(self, owner: str, publish: list[int] | None = None) -> None:
-        self.pins.pop(owner, None)
-        if publish:
-            self.cached.append(publish)
-
-
-def carry(sched: Scheduler, plan: StepPlan, pool: FakePool) -> list[PageIO]:
-    """What ``TorchEngine._carry_out`` does, against ``pool``; the I/O done, in order."""
-    done = []
-    while plan.io:
-        io = plan.io.popleft()
-        if io.op is PageOp.ALLOC:
-            try:
-                fresh = pool.alloc(io.seq.request_id, io.pages)
-            except Refused as exc:
-                sched.refused(plan, io.seq, str(exc))
-                continue
-            sched.allocated(io.seq, fresh)
-        elif io.op is PageOp.PREEMPT:
-            pool.release(io.seq.request_id)
-            sched.preempted(io.seq)
-        else:
-            sched.remove(io.seq)
-        done.append(io)
-    return done
 
 
 # ---- the exact plan for given states ------------------------------------------------------
@@ -395,7 +321,7 @@ def test_bad_budgets_are_rejected() -> None:
 # ---- the state machine --------------------------------------------------------------------
 
 
-class PagesMachine(RuleBasedStateMachine):
+class PagesMachine(Squeezed):
     """Arrivals (some matching published prefixes), steps, cancels, budget changes and another
     user squeezing the pool, carried out like the engine's shell: the ledger equals the pool's
     pins, pages held never pass the budget, the pool refuses only what the budget could not
@@ -490,17 +416,6 @@ class PagesMachine(RuleBasedStateMachine):
         size = max(size, len(self.pool.pinned()) + self.pool.other)
         self.pool.capacity = self.sched.budget = size
         self.pool.trim()
-
-    @rule(pages=st.integers(1, 6))
-    def squeeze(self, pages: int) -> None:
-        """Another user of the pool takes free pages (the budget cannot know it)."""
-        free = self.pool.capacity - len(self.pool.pinned()) - self.pool.other
-        self.pool.other += min(pages, max(free, 0))
-        self.pool.trim()
-
-    @rule()
-    def relax(self) -> None:
-        self.pool.other = 0
 
     @invariant()
     def valid(self) -> None:
