@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/bench_multiprocess.py --quick    # ~25 s
     .venv/bin/python benchmarks/bench_multiprocess.py --no-profile
     .venv/bin/python benchmarks/bench_multiprocess.py --only hop --only chain   # a subset
+    OMNIFLOW_BENCH_OTLP=http://127.0.0.1:4318 .venv/bin/python benchmarks/bench_multiprocess.py \
+        --only chain                    # omniflow's runtimes traced, exporting to a collector
 
 1. **hop**: a 1-node graph (``x -> hop.run -> y``), ``await rt.run`` one call at a time, with
    ``placement="process"`` (the role in a worker) and in-process; hop = the difference. The
@@ -233,9 +235,15 @@ class RawEcho:
 def in_workers(g: of.Graph, fast_path: bool) -> of.Runtime:
     """``placement="process"``, its workers reached over ``uds://`` (``fast_path``) or pyzmq
     ``ipc://``: the launcher reads ``OMNIFLOW_FAST_PATH`` when the runtime starts, which
-    ``async with`` does right after this returns."""
+    ``async with`` does right after this returns. Traced when ``OMNIFLOW_BENCH_OTLP`` names an
+    OTLP/HTTP collector (as in ``bench_hot_path``)."""
     os.environ["OMNIFLOW_FAST_PATH"] = "1" if fast_path else "0"
-    return of.Runtime(g, placement="process")
+    url = os.environ.get("OMNIFLOW_BENCH_OTLP")
+    if not url:
+        return of.Runtime(g, placement="process")
+    from omniflow.runtime._tracing import otlp_provider
+
+    return of.Runtime(g, placement="process", tracer_provider=otlp_provider(url))
 
 
 async def calls(rt: of.Runtime, graph: str, inputs: dict[str, Any], n: int) -> list[float]:

@@ -47,6 +47,9 @@ COLOCATE_ENV = "OMNIFLOW_COLOCATE"
 #: Set to "1" by a front with metrics on in the workers it starts: they count the bytes they
 #: forward and read per edge and report them in their heartbeats (``EDGES_KEY``).
 EDGE_BYTES_ENV = "OMNIFLOW_EDGE_BYTES"
+#: Set by a front that exports traces over OTLP/HTTP (``otlp_provider``) in the workers it
+#: starts: the collector's URL, where a worker exports the spans its methods make themselves.
+OTLP_ENV = "OMNIFLOW_OTLP_ENDPOINT"
 #: The key of the heartbeat's ``st`` under which the edge bytes ride (no node is named so).
 EDGES_KEY = "<edges>"
 
@@ -127,6 +130,9 @@ class Launcher(ABC):
     #: Whether the replicas count the bytes they move per edge (``EDGE_BYTES_ENV``: the
     #: front's metrics are on).
     edge_bytes = False
+    #: The collector the replicas export their methods' own spans to (``OTLP_ENV``; None:
+    #: the front does not export over OTLP).
+    otlp_endpoint: str | None = None
 
     @abstractmethod
     async def start(self, spec: LaunchSpec) -> ReplicaHandle:
@@ -250,6 +256,8 @@ class SubprocessLauncher(Launcher):
         }
         if self.edge_bytes:
             env[EDGE_BYTES_ENV] = "1"
+        if self.otlp_endpoint:
+            env[OTLP_ENV] = self.otlp_endpoint
         if fast_path_enabled() and forking_supported():
             try:
                 child = await self._fork(cmd, env)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omniflow.cluster._launch import Launcher
+from omniflow.cluster._launch import Launcher, SubprocessLauncher
 from omniflow.cluster._placement import ProcessSpec, plan_processes, resolve_connectors
 from omniflow.cluster._ray_plan import Ray
 from omniflow.cluster._remote import RemoteRoles
@@ -41,6 +41,7 @@ class Processes:
         heartbeat_interval: float,
         cluster_key: bytes | None,
         heartbeat_misses: int,
+        otlp_endpoint: str | None = None,
     ) -> RemoteRoles:
         return RemoteRoles(
             self.processes,
@@ -54,16 +55,21 @@ class Processes:
             heartbeat_interval=heartbeat_interval,
             cluster_key=cluster_key,
             heartbeat_misses=heartbeat_misses,
-            launcher=self._launcher(plane),
+            launcher=self._launcher(plane, otlp_endpoint),
         )
 
-    def _launcher(self, plane: DataPlane | None) -> Launcher | None:
-        """What starts the replicas (``_launch``): None (subprocesses) unless Ray places them."""
-        if not isinstance(self.placement, Ray):
-            return None
-        from omniflow.cluster._ray import RayLauncher
+    def _launcher(self, plane: DataPlane | None, otlp_endpoint: str | None) -> Launcher:
+        """What starts the replicas (``_launch``): subprocesses unless Ray places them."""
+        launcher: Launcher
+        if isinstance(self.placement, Ray):
+            from omniflow.cluster._ray import RayLauncher
 
-        return RayLauncher(self.placement, self.placement.plan(self.role_modules), plane=plane)
+            plan = self.placement.plan(self.role_modules)
+            launcher = RayLauncher(self.placement, plan, plane=plane)
+        else:
+            launcher = SubprocessLauncher()
+        launcher.otlp_endpoint = otlp_endpoint
+        return launcher
 
 
 class Placement:

@@ -38,7 +38,7 @@ from typing import Any
 
 from omniflow._exceptions import OmniflowError, RuntimeClosedError, TransportError
 from omniflow._loader import load_graphs
-from omniflow.cluster._launch import EDGES_KEY
+from omniflow.cluster._launch import EDGES_KEY, OTLP_ENV
 from omniflow.cluster._worker_calls import CallState
 from omniflow.cluster._worker_held import envelopes
 from omniflow.cluster._worker_links import ForwardLinks
@@ -48,6 +48,7 @@ from omniflow.data.kv._pool import opened_pool_statistics
 from omniflow.plan._parser import parse_graphs
 from omniflow.runtime._batcher import Batcher
 from omniflow.runtime._setup import setup_role
+from omniflow.runtime._tracing import global_otlp_provider
 from omniflow.transport import bind, run_loop
 from omniflow.transport._auth import opener_for, sealer_for
 from omniflow.transport._base import MAX_DELIVERY, Packet
@@ -489,5 +490,11 @@ def run_worker(make: Callable[[], Worker]) -> int:
     async def main() -> None:
         await make().run()
 
-    run_loop(main())
+    endpoint = os.environ.get(OTLP_ENV)  # the front exports traces: so do its methods
+    provider = global_otlp_provider(endpoint) if endpoint else None
+    try:
+        run_loop(main())
+    finally:
+        if provider is not None:
+            provider.shutdown()  # (flushes what is batched)
     return 0

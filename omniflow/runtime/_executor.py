@@ -81,8 +81,11 @@ class Placed(Protocol):
         heartbeat_interval: float,
         cluster_key: bytes | None,
         heartbeat_misses: int,
+        otlp_endpoint: str | None = None,
     ) -> Remote:
-        """The replicas of ``remote_roles`` (called only when there are some)."""
+        """The replicas of ``remote_roles`` (called only when there are some);
+        ``otlp_endpoint``: the collector the front exports to, where the replicas export the
+        spans their methods make themselves."""
 
 
 class Cluster(Protocol):

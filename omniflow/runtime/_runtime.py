@@ -162,6 +162,7 @@ class Runtime(RuntimeStatistics):
                 heartbeat_interval=heartbeat_interval,
                 cluster_key=key,
                 heartbeat_misses=heartbeat_misses,
+                otlp_endpoint=_otlp_endpoint(tracer_provider),
             )
             if remote_roles
             else None
@@ -475,3 +476,12 @@ class Runtime(RuntimeStatistics):
     def _cancel_call(self, call: Call) -> None:
         """Cancel a call (``Call.cancel``); one still queued behind its session never starts."""
         self._table.cancel(call)
+
+
+def _otlp_endpoint(provider: Any) -> str | None:
+    """The collector of a provider ``otlp_provider`` built (its workers export there too)."""
+    if provider is None:
+        return None
+    from omniflow.runtime._tracing import otlp_endpoint
+
+    return otlp_endpoint(provider)

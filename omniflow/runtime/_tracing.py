@@ -13,11 +13,18 @@ once (and once more if it recovers and fails again), not on every batch.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from omniflow._exceptions import OmniflowError
 
-__all__ = ["Tracing", "attach_traceparent", "otlp_provider"]
+__all__ = [
+    "Tracing",
+    "attach_traceparent",
+    "global_otlp_provider",
+    "otlp_endpoint",
+    "otlp_provider",
+]
 
 logger = logging.getLogger("omniflow.tracing")
 
@@ -100,6 +107,29 @@ def otlp_provider(endpoint: str, *, timeout: float = 5.0) -> Any:
     provider = TracerProvider(resource=Resource.create({"service.name": "omniflow"}))
     exporter = _LogOnce(OTLPSpanExporter(endpoint=url, timeout=timeout), url)
     provider.add_span_processor(BatchSpanProcessor(exporter))  # type: ignore[arg-type]
+    _ENDPOINTS[provider] = url
+    return provider
+
+
+#: Providers ``otlp_provider`` built -> their collector's URL (what workers export to).
+_ENDPOINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def otlp_endpoint(provider: Any) -> str | None:
+    """The collector URL of a provider ``otlp_provider`` built (None for any other: a
+    provider the caller built cannot be rebuilt in a worker)."""
+    try:
+        return _ENDPOINTS.get(provider)
+    except TypeError:  # (an unhashable provider is not one of ours)
+        return None
+
+
+def global_otlp_provider(endpoint: str) -> Any:
+    """Make an ``otlp_provider`` the process's global provider (a worker whose front exports
+    to ``endpoint``): spans a role's method starts with ``opentelemetry.trace.get_tracer``
+    are exported there, under the activation's span (``attach_traceparent``)."""
+    provider = otlp_provider(endpoint)
+    _otel().set_tracer_provider(provider)
     return provider
 
 

@@ -66,7 +66,51 @@ async def test_story_route_and_protection(inproc: Any) -> None:
         ).status_code == 403
     page = await s.client.get("/ui", headers=auth)
     assert page.status_code == 200 and "<svg" not in page.text  # drawn by the page's script
-    assert "http://" not in page.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
+    assert _external_refs(page.text) == []  # no CDN: every asset ships in the package
+
+
+#: Where a page names something to load: an attribute, a CSS ``url()`` or ``@import``, a JS
+#: ``import``, or what the script fetches or subscribes to.
+_REFS = re.compile(
+    r"""\b(?:src|href|action|poster|data|srcset)\s*=\s*["']?([^"'\s>]+)"""
+    r"""|url\(\s*["']?([^"')\s]+)"""
+    r"""|@import\s+(?:url\(\s*)?["']?([^"');\s]+)"""
+    r"""|\bimport\s*(?:\(\s*|[\w{}*,\s]+\bfrom\s*)?["'`]([^"'`]+)"""
+    r"""|\b(?:fetch|EventSource|WebSocket|importScripts)\s*\(\s*["'`]([^"'`]+)""",
+    re.IGNORECASE,
+)
+#: A URL that leaves the server: a scheme (``http:``, ``https:``, ``ws:`` ...) or
+#: protocol-relative (``//host``).
+_EXTERNAL = re.compile(r"^\s*(?:[a-z][a-z0-9+.-]*:)?//", re.IGNORECASE)
+#: The one absolute URL a self-contained SVG page names without loading it.
+_SVG_NS = "http://www.w3.org/2000/svg"
+
+
+def _external_refs(html: str) -> list[str]:
+    """Every external URL ``html`` would load, and any absolute URL written anywhere else."""
+    refs = [next(g for g in m.groups() if g) for m in _REFS.finditer(html)]
+    bad = [r for r in refs if _EXTERNAL.match(r)]
+    anywhere = re.findall(r"(?:https?|wss?|ftp):[^\s\"'`<>)]*", html, re.IGNORECASE)
+    return bad + [u for u in anywhere if u != _SVG_NS and u not in bad]
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        '<script src="https://cdn.example/d3.js"></script>',
+        "<link rel=stylesheet href=//fonts.example/css>",
+        "<style>body { background: url( 'HTTP://img.example/a.png' ) }</style>",
+        '<style>@import "//css.example/x.css";</style>',
+        '<script type=module>import * as d3 from "https://esm.example/d3";</script>',
+        '<script>import("//esm.example/m.js")</script>',
+        '<script>new EventSource("https://elsewhere.example/ui/events")</script>',
+        '<script>const u = "wss://elsewhere.example/ws";</script>',
+    ],
+)
+def test_the_no_cdn_check_catches_external_urls(snippet: str) -> None:
+    assert _external_refs(snippet), snippet
+    ok = '<script src="ui/app.js"></script><style>a{background:url(#arrow)}</style>'
+    assert _external_refs(ok + f'<script>const SVG = "{_SVG_NS}";</script>') == []
 
 
 @pytest.mark.slow

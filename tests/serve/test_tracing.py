@@ -4,6 +4,7 @@ collector that refuses connections changing nothing for the calls."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -16,6 +17,8 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+import omniflow as of
+from omniflow.runtime._tracing import otlp_provider
 from omniflow.serve import create_app
 from tests.serve.conftest import FIG3
 
@@ -180,12 +183,15 @@ async def test_a_dead_collector_changes_nothing_for_calls(
 ) -> None:
     good = await _served_calls(receiver.url, "inproc", n=3)
     with caplog.at_level(logging.WARNING, logger="omniflow.tracing"):
-        dead = await _served_calls(f"http://127.0.0.1:{_refused_port()}", "inproc", n=3)
+        dead_url = f"http://127.0.0.1:{_refused_port()}"
+        dead = await _served_calls(dead_url, "inproc", n=3)
     strip = [{k: v for k, v in b.items() if k != "call_id"} for b in good]
     assert [{k: v for k, v in b.items() if k != "call_id"} for b in dead] == strip
-    said = [r for r in caplog.records if r.name == "omniflow.tracing"]
-    assert len(said) <= 1
-    assert all("dropping spans" in r.getMessage() for r in said)
+    # The lifespan's flush exports the batch, the collector refuses it: said exactly once,
+    # naming the collector and what happens to the spans.
+    said = [r.getMessage() for r in caplog.records if r.name == "omniflow.tracing"]
+    assert len(said) == 1, said
+    assert dead_url in said[0] and "dropping spans" in said[0], said
 
 
 def test_a_full_span_queue_is_said_once() -> None:
@@ -217,3 +223,55 @@ def test_a_full_span_queue_is_said_once() -> None:
         assert not said[0].filter(late) and not said[0].filter(late)
     finally:
         provider.shutdown()
+
+
+class Traced(of.Role):
+    @of.interface(inputs_or=[["x"]], outputs=["y"])
+    async def work(self, x: int) -> dict[str, int]:
+        from opentelemetry import trace
+
+        with trace.get_tracer("tests.traced").start_as_current_span("user.work"):
+            return {"y": x + 1}
+
+
+traced = of.Graph(
+    "traced", roles={"t": Traced()}, inputs=[of.Placeholder("x")], outputs=["y"]
+)  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_a_worker_methods_own_span_nests_under_its_activation(receiver: Receiver) -> None:
+    # The method runs in a worker process: the front hands it its collector (otlp_provider's
+    # endpoint), the run carries the activation's context.
+    provider = otlp_provider(receiver.url)
+    try:
+        async with of.Runtime(traced, placement="process", tracer_provider=provider) as rt:
+            assert await rt.run("traced", {"x": 1}) == {"y": [2]}
+    finally:
+        provider.shutdown()
+    for _ in range(600):  # the worker flushes as it stops (a hang guard)
+        if any(s.name == "user.work" for s in receiver.spans):
+            break
+        await asyncio.sleep(0.05)
+    spans = receiver.spans
+    (user,) = [s for s in spans if s.name == "user.work"]
+    (act,) = [s for s in spans if s.name == "t.work"]
+    (call,) = [s for s in spans if s.name == "omniflow.call"]
+    assert _attrs(act)["omniflow.replica"] != "front"
+    assert user.parent_span_id == act.span_id and act.parent_span_id == call.span_id
+    assert user.trace_id == act.trace_id == call.trace_id
+    assert act.start_time_unix_nano <= user.start_time_unix_nano
+
+
+def test_only_providers_omniflow_built_name_their_collector() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from omniflow.runtime._tracing import otlp_endpoint
+
+    ours = otlp_provider("http://127.0.0.1:9/")  # nothing listens there
+    try:
+        assert otlp_endpoint(ours) == "http://127.0.0.1:9/v1/traces"
+        assert otlp_endpoint(TracerProvider()) is None  # its workers cannot rebuild it
+        assert otlp_endpoint(object()) is None  # (not even weakly referenceable)
+    finally:
+        ours.shutdown()
