@@ -191,9 +191,10 @@ class DenoiseScheduler(RunQueues[DitSeq]):
 
     def refused(self, plan: DenoisePlan, seq: DitSeq, why: str) -> None:
         """The pool refused ``seq``'s ``ALLOC`` (the shell popped it): it waits while another
-        running picture holds its own pages, and fails (the next I/O) otherwise."""
+        running picture holds its own pages or is still to get them in this plan (an ``ALLOC``
+        after it), and fails (the next I/O) otherwise."""
         plan.items.remove(seq)
-        fail = self._short(plan, seq, why, ())
+        fail = self._short(plan, seq, why, plan.io)
         plan.io.extendleft([fail] if fail else [])
 
     def _short(

@@ -176,6 +176,22 @@ def test_without_a_budget_the_pools_refusal_makes_a_picture_wait_or_fail() -> No
     assert "1 elsewhere" not in done[0].why and done[0].why.startswith("2 pages")
 
 
+def test_a_refused_picture_waits_for_one_given_pages_later_in_the_same_plan() -> None:
+    """The first picture of a plan is refused (the pool is squeezed), a later one fits: the
+    first waits for the later one's pages instead of failing as if it were alone (hypothesis
+    found this order: the refusal is decided before the later ``ALLOC`` is carried out)."""
+    sched = DenoiseScheduler(max_batch=4, page_tokens=PT)
+    big, small = pic("big", 1, tokens=8), pic("small", 1, tokens=4)
+    sched.add(big)
+    sched.add(small)
+    plan = sched.schedule()
+    assert ops(plan) == [("alloc", "big", 2), ("alloc", "small", 1)]
+    done = carry(sched, plan, FakePool(1))
+    assert [(io.op, io.seq) for io in done] == [(PageOp.ALLOC, small)]
+    assert plan.items == [small] and plan.waited == [big]
+    sched.validate()
+
+
 def test_validate_catches_pages_that_bypass_the_ledger() -> None:
     sched = DenoiseScheduler(max_batch=1, page_tokens=PT, budget=4)
     a = pic("a", 2)
