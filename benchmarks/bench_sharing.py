@@ -7,7 +7,8 @@
 default 16 layers) in two processes (``tests.compute._engine_share_worker``), alive together,
 with shared weights (the default) and with ``share_weights=False``: the sum of their PSS above
 baseline against one copy (the checkpoint's safetensors size), and their greedy tokens compared
-with each other's.
+with each other's. Each replica's PSS is read from outside (``/proc/PID/smaps_rollup``) once
+both have generated, so neither counts the shared copy as its own before the other mapped it.
 
 Each process (``omniflow.testing._share_worker``) reads its proportional set size (``Pss`` of
 ``/proc/self/smaps_rollup``) once torch is imported (its baseline), then loads the MLP either
@@ -27,7 +28,7 @@ import tempfile
 import time
 import uuid
 
-from omniflow.testing._share_worker import make_weights
+from omniflow.testing._share_worker import make_weights, pss_kb
 
 
 def _spawn(mode: str, key: str, wdir: str, width: int, depth: int) -> subprocess.Popen[str]:
@@ -100,7 +101,8 @@ def run_engines(mode: str, model: str, n: int = 2) -> tuple[int, set[str], float
         bases = [int(_line(p, "base")[0]) for p in procs]
         outs = {_line(p, "out")[0] for p in procs}
         ready_s = time.perf_counter() - t0
-        total = sum(int(_line(p, "pss")[0]) - b for p, b in zip(procs, bases, strict=True))
+        # every replica has generated and blocks on stdin: read each PSS from outside now
+        total = sum(pss_kb(p.pid) - b for p, b in zip(procs, bases, strict=True))
     finally:
         for p in procs:
             p.communicate("\n", timeout=60)

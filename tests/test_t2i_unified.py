@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,8 +64,6 @@ def test_t2i_unified_writes_a_valid_png() -> None:
 
 def _readme_deploy(tmp_path: Any) -> dict[str, dict[str, Any]]:
     """The README's deploy file for this graph, as a user would save it."""
-    from pathlib import Path
-
     from omniflow.cluster._ray_plan import load_deploy
 
     text = Path("README.md").read_text()
@@ -74,8 +73,17 @@ def _readme_deploy(tmp_path: Any) -> dict[str, dict[str, Any]]:
     return load_deploy(path)
 
 
+def _segments() -> set[str]:
+    """The shared memory of the graph's pool ``t2i-kv`` on this node (``ofkv_t2i-kv_*``:
+    its L1 shared across processes, its L2)."""
+    return {p.name for p in Path("/dev/shm").glob("ofkv_t2i-kv_*")}
+
+
 def _png(placement: Any) -> bytes:
+    """The picture of one call; every process of ``placement`` left the pool's shared memory
+    behind it (a Ray actor is killed after its replica stopped: no exit hook runs there)."""
     graph = load_graphs("graphs/t2i_unified.py")[0]
+    before = _segments()
 
     async def go() -> bytes:
         async with of.Runtime(graph, placement=placement) as rt:
@@ -85,7 +93,9 @@ def _png(placement: Any) -> bytes:
         image: of.Image = out["image"][-1]
         return image.to_png()
 
-    return asyncio.run(go())
+    png = asyncio.run(go())
+    assert _segments() - before == set(), placement
+    return png
 
 
 @pytest.mark.timeout(300)

@@ -207,6 +207,8 @@ class Worker(Activations, ForwardLinks, CallState):
             self._links.clear()
             self._puller.close()
             self.plane.close()
+            if self._hosted is not None:  # its connection is closed: calls fail, leave is a no-op
+                self._hosted.detach("the worker stopped")
             for role in reversed(self._roles):
                 try:
                     await role.teardown()

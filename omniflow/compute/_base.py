@@ -126,7 +126,8 @@ class EngineBase(abc.ABC, Generic[ReqT, OutT, StreamT]):
     ) -> None:
         self.model_dir = Path(model_dir)  #: the checkpoint directory
         #: On the CPU, bind the weights to the node's one copy of this checkpoint (replicas and
-        #: co-located roles over one checkpoint hold one copy); False: a private copy.
+        #: co-located roles over one checkpoint hold one copy); False: a private copy. On a GPU
+        #: the copy is private either way (logged once: ``_loader.shares_weights``).
         self.share_weights = share_weights
         self.max_batch = max_batch  #: sequences computed together
         self.device, self.dtype = device, dtype  #: as requested ("auto" resolved at start)

@@ -12,6 +12,7 @@ weight is never dropped.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
@@ -24,12 +25,18 @@ from omniflow.compute._model import LlamaModel
 from omniflow.compute._rope import inv_frequencies
 from omniflow.compute._weights import check_tensors
 
+logger = logging.getLogger("omniflow.compute")
+
+#: Devices whose "weights stay private here" was already logged (once per process and device).
+_PRIVATE_LOGGED: set[str] = set()
+
 __all__ = [
     "checkpoint_mismatch",
     "load_checkpoint",
     "load_model",
     "resolve_device",
     "resolve_dtype",
+    "shares_weights",
 ]
 
 _DTYPES = {
@@ -100,14 +107,33 @@ def load_checkpoint(
     """The resolved device and every tensor of the checkpoint at ``root`` on it, in the
     resolved dtype (``resolve_device``, ``resolve_dtype``). ``share`` on the CPU: bound to the
     node's one copy of this checkpoint in this dtype (``_shared.load_shared_weights``); on a GPU
-    weights stay private (sharing them needs CUDA IPC, not implemented)."""
+    weights stay private (sharing them needs CUDA IPC, not implemented), said once in the log
+    (``shares_weights``)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, cfg, dev)
-    if share and dev.type == "cpu":
+    if shares_weights(dev, share, root):
         from omniflow.compute._shared import load_shared_weights
 
         return dev, load_shared_weights(root, dt)
     return dev, load_weights(root, dev, dt)
+
+
+def shares_weights(dev: torch.device, share: bool, root: Path) -> bool:
+    """Whether a load asked to ``share`` binds to the node's one copy: on the CPU only. On any
+    other device the engine holds a private copy; since ``share_weights`` is on by default (a
+    GPU engine did not ask for anything unusual), that is logged at INFO, once per process and
+    device, rather than refused."""
+    if not share or dev.type == "cpu":
+        return share
+    if str(dev) not in _PRIVATE_LOGGED:
+        _PRIVATE_LOGGED.add(str(dev))
+        logger.info(
+            "%s: weight sharing across processes (share_weights=True) is CPU-only; this engine "
+            "holds a private copy of its weights on %s (sharing GPU weights would need CUDA "
+            "IPC, not implemented; pass share_weights=False to silence this)",
+            root, dev,
+        )  # fmt: skip
+    return False
 
 
 def checkpoint_mismatch(root: Path, what: str, config: str) -> ModelLoadError:

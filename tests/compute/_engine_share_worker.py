@@ -3,8 +3,10 @@
     python -m tests.compute._engine_share_worker shared|private MODEL_DIR
 
 Prints ``base <pss_kb>`` once torch and the engine are imported, then ``out <token ids>`` after
-a greedy generation and ``pss <pss_kb>``; then waits for a line on stdin before it exits (so two
-replicas are alive together when their PSS is read).
+a greedy generation (every weight touched); then blocks on a line from stdin before it exits.
+The parent reads each replica's PSS from outside (``pss_kb(pid)``) only once every replica has
+printed ``out``: a replica's own reading right after its generation could come before another
+replica mapped the shared copy, and would then count the whole copy as its own.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ async def main(mode: str, model_dir: str) -> None:
     )
     ids = [out.token_id async for out in engine.generate(req)]
     print("out", ",".join(map(str, ids)), flush=True)
-    print("pss", pss_kb(), flush=True)
     await asyncio.to_thread(sys.stdin.readline)
     await engine.stop()
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from omniflow.compute import ModelLoadError
+from omniflow.compute import ModelLoadError, _loader
 from omniflow.compute._config import ModelConfig
-from omniflow.compute._loader import load_model, resolve_device
+from omniflow.compute._loader import load_model, resolve_device, shares_weights
 from omniflow.compute._model import ForwardBatch, SeqSlice
 from omniflow.compute._rope import attention_scaling, inv_frequencies
 
@@ -210,3 +210,25 @@ def test_half_precisions_load_and_agree_with_float32(
     full = logits(load_model(path, device="cpu", dtype="float32"))
     got = logits(half)
     assert torch.allclose(got, full, atol=0.1, rtol=0.05)
+
+
+def test_sharing_on_a_gpu_says_once_that_the_weights_stay_private(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``share_weights`` is on by default; on cuda (tested by its condition, no GPU needed) the
+    load is private, and the log says so once per process and device."""
+    monkeypatch.setattr(_loader, "_PRIVATE_LOGGED", set())
+    root = Path("ckpt/llm")
+    with caplog.at_level("INFO", logger="omniflow.compute"):
+        assert shares_weights(torch.device("cpu"), True, root)
+        assert not shares_weights(torch.device("cpu"), False, root)
+        assert not shares_weights(torch.device("cuda"), False, root)  # not asked: nothing said
+        assert caplog.records == []
+        assert not shares_weights(torch.device("cuda"), True, root)
+        assert not shares_weights(torch.device("cuda"), True, root)
+        assert not shares_weights(torch.device("cuda", 1), True, root)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # once per device: cuda, cuda:1
+    assert "CPU-only" in said[0] and "private copy of its weights on cuda" in said[0]
+    assert "ckpt/llm" in said[0] and "share_weights=False" in said[0]
+    assert "on cuda:1" in said[1]

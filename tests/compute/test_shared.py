@@ -17,7 +17,7 @@ import torch
 
 import omniflow as of
 from omniflow.compute import _shm
-from omniflow.testing._share_worker import build_mlp, make_weights
+from omniflow.testing._share_worker import build_mlp, make_weights, pss_kb
 
 WIDTH, DEPTH = 1024, 12  # ~50 MB of float32 weights
 COPY_KB = DEPTH * (WIDTH * WIDTH + WIDTH) * 4 // 1024
@@ -277,7 +277,8 @@ def _pair(mode: str, model: Path) -> tuple[int, list[str]]:
     try:
         bases = [int(_line(p, "base")) for p in pair]
         outs = [_line(p, "out") for p in pair]
-        pss = [int(_line(p, "pss")) for p in pair]  # both hold their weights now
+        # both have generated (every weight mapped) and block on stdin: read from outside
+        pss = [pss_kb(p.pid) for p in pair]
     finally:
         for p in pair:
             if p.poll() is None:

@@ -358,6 +358,21 @@ async def test_a_register_before_the_front_attaches_is_sent_first_when_it_does()
         await client.register(P, "n3", {"host": "h"})
 
 
+async def test_leaving_without_a_front_is_a_no_op_and_drops_a_deferred_register() -> None:
+    """A stopping worker's pools leave at once (their shared memory goes then), whether the
+    front never attached or its connection is gone; the front forgets a lost replica's pools."""
+    client = HostedMetadata(timeout=10)
+    await client.register(P, "n1", {"host": "h"})
+    await client.register(P, "n2", {"host": "h"})
+    await client.leave(P, "n1")  # never attached: n1's deferred register is dropped, n2 kept
+    sent: list[tuple[str, list[Any]]] = []
+    client.attach(lambda r, op, args: sent.append((op, args)))
+    assert sent == [("register", [P, "n2", {"host": "h"}])]
+    client.detach("the worker stopped")
+    await asyncio.wait_for(client.leave(P, "n2"), 1)  # gone: no round trip, no wait
+    assert len(sent) == 1 and client.pending == 0
+
+
 async def test_a_deferred_register_the_front_refuses_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -113,7 +113,8 @@ class HostedMetadata(Metadata):
     puts one ``(request id, op, args)`` on the wire to it. ``reply`` resolves a request.
     Before the first attach a ``register`` is kept and sent first at the attach (a lease's
     ``heartbeat`` meanwhile holds: its clock starts there); every other call made before a
-    front is attached, or after it is gone, raises ``DataError`` at once.
+    front is attached, or after it is gone, raises ``DataError`` at once (``leave`` excepted:
+    it has nothing to do then).
     """
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -269,6 +270,14 @@ class HostedMetadata(Metadata):
         await self._call("run", pool, session, delta)
 
     async def leave(self, pool: str, node: str) -> None:
+        """Without a front (gone, detached, or never attached) there is nothing to leave: a
+        deferred register of the node is dropped, and the front forgets the pools of a replica
+        it lost (``_remote_meta``). A stopping worker's pools so close at once, never waiting
+        ``timeout`` for an answer that cannot come (their shared memory goes with them)."""
+        if self._send is None:
+            if self._deferred is not None:
+                self._deferred = [a for a in self._deferred if a[:2] != [pool, node]]
+            return
         await self._call("leave", pool, node)
 
     async def dump(self, pool: str) -> dict[str, object]:
