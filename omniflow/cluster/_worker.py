@@ -15,14 +15,12 @@ made here; ``stop`` only from the front that spawned this worker). Drops are cou
 reason and answered in ``StatsReply.wire``. It heartbeats every front that said hello.
 
 The fast path (``_forward``): a run may name downstream nodes this worker starts itself on
-their worker (``Forward``), frame by frame, telling the front which it forwarded; a forwarded
-run is served like one from the front it names, whose peer gets its frames and done.
+their worker (``Forward``), telling the front which it forwarded.
 
-This module is the process shell (load the roles, set up and tear down, bind, read and
-dispatch, write, heartbeat, leave); the rest of ``Worker`` is its parts: running activations
-(``_worker_runs``), forwards and links (``_worker_links``), call-scoped state
-(``_worker_calls``), over the state they share (``_worker_state``) and the records and
-batches that leave (``_worker_held``).
+This module is the process shell (load, set up and tear down, bind, read and dispatch, write,
+heartbeat, leave); ``Worker``'s parts: running activations (``_worker_runs``), forwards and
+links (``_worker_links``), call-scoped state (``_worker_calls``), the state they share
+(``_worker_state``), the records and batches that leave (``_worker_held``).
 """
 
 from __future__ import annotations
