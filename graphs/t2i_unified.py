@@ -212,8 +212,8 @@ def sized(pixels: Any, size: Any) -> Any:
 
 
 class Vae(of.Role):
-    # Batched across calls (docs/api.md, "Batching"): concurrent calls' latents decode in one
-    # matmul; a call alone waits at most 2 ms for company.
+    # Batched across calls (docs/api-graphs.md, "of.Batch"): concurrent calls' latents decode in
+    # one matmul; a call alone waits at most 2 ms for company.
     @of.interface(
         inputs_or=[["latents", "size"]], outputs=["image"], latch=["size"],
         batch=of.Batch(8, 2),

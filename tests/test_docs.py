@@ -3,7 +3,8 @@
 How each fenced block of ``DOCS`` (and each ``python`` block of the tutorial) runs
 (``test_every_block_runs_or_says_why`` keeps the list whole: a block of another kind fails it):
 
-* ``python``: every block of a page, in order, in one namespace (a page reads top to bottom).
+* ``python``: every block of a page, in order, in one namespace (a page reads top to bottom);
+  the pages of the API reference (``API_PAGES``) read as one page, in their index's order.
 * ``bash`` (or no language): in bash, in a scratch directory that holds ``graphs/``, ``scripts/``
   and ``.venv`` of this checkout, with ``HOME`` and ``TMPDIR`` in it, no ``OMNIFLOW_*`` variable
   inherited and port 8000 replaced by a free one. A line that starts ``omniflow serve`` in the
@@ -40,9 +41,17 @@ from omniflow._cli_plan import render_dot
 from omniflow._loader import load_graphs, parse
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The API reference's pages, in the order docs/api.md (their index) lists them: their python
+#: blocks run as one page, each example building on those of the pages before it.
+API_PAGES = (
+    "docs/api-graphs.md",
+    "docs/api-runtime.md",
+    "docs/api-media.md",
+    "docs/api-serving.md",
+)
 #: Pages every block of which runs. The tutorial's python blocks run too (its shell blocks
 #: serve a module the reader saves and a Redis registry; they are not run yet).
-DOCS = ("README.md", "docs/api.md")
+DOCS = ("README.md", *API_PAGES)
 TUTORIAL = "docs/tutorial.md"
 NOT_RUN = "# not run by tests/test_docs.py:"
 #: What a shell block prints, by a line of the block that names it: each string must appear.
@@ -153,20 +162,32 @@ def test_every_block_runs_or_says_why() -> None:
 # -- python ----------------------------------------------------------------------------------
 
 
+def test_the_api_index_lists_every_api_page() -> None:
+    index = (ROOT / "docs" / "api.md").read_text()
+    listed = [f"docs/{name}" for name in re.findall(r"\]\((api-[\w-]+\.md)\)", index)]
+    assert tuple(dict.fromkeys(listed)) == API_PAGES, "docs/api.md lists the pages API_PAGES runs"
+    assert set(API_PAGES) == {f"docs/{p.name}" for p in (ROOT / "docs").glob("api-*.md")}
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("doc", [*DOCS, TUTORIAL])
-def test_python_blocks_run_in_order(doc: str, capsys: pytest.CaptureFixture[str]) -> None:
-    namespace: dict[str, object] = {"__name__": doc}
-    found = [b for b in _of("python", doc) if not b.skipped_because]
-    assert found
-    for b in found:
-        exec(compile(b.code, b.where, "exec"), namespace)
+@pytest.mark.parametrize(
+    "pages", [("README.md",), API_PAGES, (TUTORIAL,)], ids=["README.md", "docs/api", TUTORIAL]
+)
+def test_python_blocks_run_in_order(
+    pages: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    namespace: dict[str, object] = {"__name__": pages[0]}
+    for doc in pages:
+        found = [b for b in _of("python", doc) if not b.skipped_because]
+        assert found, f"{doc} has no python block that runs"
+        for b in found:
+            exec(compile(b.code, b.where, "exec"), namespace)
     out = capsys.readouterr().out
-    if doc == TUTORIAL:
+    if pages == (TUTORIAL,):
         assert "word a" in out
-    if doc == "docs/api.md":
+    if pages == API_PAGES:
         assert "token what:3 llm.generate 0" in out and "ok [] []" in out
-    if doc == "README.md":
+    if pages == ("README.md",):
         assert out.splitlines()[:2] == ["token what:6", "token is:6"]
 
 
@@ -174,7 +195,7 @@ def test_python_blocks_run_in_order(doc: str, capsys: pytest.CaptureFixture[str]
 
 
 def test_the_exception_tree_is_the_class_tree() -> None:
-    (tree,) = _of("text", "docs/api.md")
+    (tree,) = _of("text", "docs/api-runtime.md")
     parents: list[tuple[int, type]] = []
     names = []
     for line in tree.code.splitlines():
@@ -310,12 +331,10 @@ def test_shell_script_backgrounds_a_foreground_server() -> None:
 
 # -- the reference pages ---------------------------------------------------------------------
 
-#: The reference pages: short, present tense, their links whole. docs/api.md (the API, run
-#: above) and docs/contract.md (the team's text, copied) are not held to this.
+#: The reference pages: short, present tense, their links whole. docs/contract.md (the team's
+#: text, copied) is not held to this.
 REFERENCE_PAGES = sorted(
-    str(p.relative_to(ROOT))
-    for p in (ROOT / "docs").glob("*.md")
-    if p.name not in {"api.md", "contract.md"}
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if p.name != "contract.md"
 )
 #: Pages that must stay short; benchmarks/journal/ (the dated history) is exempt.
 SHORT_PAGES = [*REFERENCE_PAGES, "design/ARCHITECTURE.md", "benchmarks/README.md"]
@@ -337,6 +356,8 @@ def test_the_reference_pages_are_there() -> None:
         assert f"docs/{name}.md" in REFERENCE_PAGES
     for name in ("serving", "security", "failure"):
         assert f"docs/{name}.md" in REFERENCE_PAGES
+    for doc in ("docs/api.md", *API_PAGES):
+        assert doc in REFERENCE_PAGES
 
 
 @pytest.mark.parametrize("doc", SHORT_PAGES)
