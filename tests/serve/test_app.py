@@ -223,7 +223,8 @@ def _b64(data: bytes) -> str:
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_media_both_directions(inproc: Factory, stream: bool) -> None:
-    """docs/api-media.md "Media values": ``$audio`` / ``$image`` in inputs and in frames sent back."""
+    """docs/api-media.md "Media values": ``$audio`` / ``$image`` in inputs and in frames sent
+    back."""
     from ._media_graphs import word_audio
 
     s: InProcess = await inproc(MEDIA_GRAPHS)
