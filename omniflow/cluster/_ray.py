@@ -34,6 +34,7 @@ from omniflow._exceptions import OmniflowError, StartError
 from omniflow.cluster._launch import (
     COLOCATE_ENV,
     EDGE_BYTES_ENV,
+    OTLP_ENV,
     START_ERROR_ENV,
     Launcher,
     LaunchSpec,
@@ -275,6 +276,8 @@ class RayLauncher(Launcher):
             }
             if self.edge_bytes:  # it counts the bytes it moves per edge (the front's metrics)
                 env[EDGE_BYTES_ENV] = "1"
+            if self.otlp_endpoint:  # it exports its methods' own spans to the front's collector
+                env[OTLP_ENV] = self.otlp_endpoint
             if role.layer:
                 cuda = await asyncio.shield(env_fut)  # the layer-0 replica of this bundle
                 if cuda is not None:

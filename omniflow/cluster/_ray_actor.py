@@ -13,6 +13,9 @@ The constructor's ``env`` is applied before anything else runs in the process, s
 replica gets its bundle's ``CUDA_VISIBLE_DEVICES`` before any CUDA import (Ray leaves it unset
 for zero-GPU actors, and torch caches the device count on first use). The cluster key arrives
 as a ``start`` argument wrapped in ``Secret`` (never argv, never the environment, never a log).
+When the front exports traces over OTLP, ``env`` names its collector (``OTLP_ENV``): the worker
+loop makes an OTLP provider to it the process's global one (once per actor: a restarted worker
+keeps it) and flushes it as the loop ends, before ``wait`` returns and the front kills the actor.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class ReplicaHost:
         self._error: BaseException | None = None
         #: Asks the running worker loop to leave (set once its loop runs).
         self._halt: Callable[[], Any] | None = None
+        #: The OTLP tracer provider the worker loop exports its methods' spans with (None
+        #: until a loop made it, or when the front does not export).
+        self._provider: Any = None
 
     def start(
         self,
@@ -140,12 +146,25 @@ class ReplicaHost:
         loop = asyncio.new_event_loop()
         self._halt = lambda: loop.call_soon_threadsafe(worker._stop.set)
         try:
+            self._trace()
             loop.run_until_complete(worker.run())
         except BaseException as exc:
             self._error = exc
         finally:
             self._halt = None
             loop.close()
+            if self._provider is not None:
+                self._provider.force_flush()  # (the front kills the actor once ``wait`` returns)
+
+    def _trace(self) -> None:
+        """Make the front's collector (``OTLP_ENV``) the global provider's, once per actor:
+        spans the methods start themselves nest under their activations and are exported."""
+        from omniflow.cluster._launch import OTLP_ENV
+        from omniflow.runtime._tracing import global_otlp_provider
+
+        endpoint = os.environ.get(OTLP_ENV)
+        if endpoint and self._provider is None:
+            self._provider = global_otlp_provider(endpoint)
 
     def wait(self) -> str | None:
         """Block until the worker loop ends: None when it left cleanly, else why it failed.

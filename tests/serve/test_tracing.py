@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 import omniflow as of
 from omniflow.runtime._tracing import otlp_provider
 from omniflow.serve import create_app
+from tests.runtime.conftest import ray_local  # noqa: F401  (the "ray" placement's Ray)
 from tests.serve.conftest import FIG3
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -240,12 +241,19 @@ traced = of.Graph(
 
 
 @pytest.mark.slow
-async def test_a_worker_methods_own_span_nests_under_its_activation(receiver: Receiver) -> None:
-    # The method runs in a worker process: the front hands it its collector (otlp_provider's
-    # endpoint), the run carries the activation's context.
+@pytest.mark.parametrize("placement", ["process", "ray"])
+async def test_a_worker_methods_own_span_nests_under_its_activation(
+    receiver: Receiver, placement: str, request: pytest.FixtureRequest
+) -> None:
+    # The method runs in a worker process or a Ray actor: the front hands it its collector
+    # (otlp_provider's endpoint), the run carries the activation's context.
+    where: Any = placement
+    if placement == "ray":
+        request.getfixturevalue("ray_local")
+        where = of.Ray()
     provider = otlp_provider(receiver.url)
     try:
-        async with of.Runtime(traced, placement="process", tracer_provider=provider) as rt:
+        async with of.Runtime(traced, placement=where, tracer_provider=provider) as rt:
             assert await rt.run("traced", {"x": 1}) == {"y": [2]}
     finally:
         provider.shutdown()
