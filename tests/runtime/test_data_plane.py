@@ -286,9 +286,7 @@ async def test_consumer_killed_mid_read_does_not_leak_the_block(
     rt = await runtime("dp_kill")
     before = await rt.pool_stats()
     call = rt.call("dp_kill", {"k": 2})
-    deadline = time.monotonic() + 45  # a hang guard, not a speed claim
-    while not marker.exists() or not marker.read_text():
-        assert time.monotonic() < deadline, "the consumer never got its input"
+    while not marker.exists() or not marker.read_text():  # (a hang is pytest-timeout's)
         await asyncio.sleep(0.01)
     pid = int(marker.read_text())
     assert pid == replica(before, "dp_hold")["pid"]
@@ -314,10 +312,8 @@ async def test_producer_lost_before_a_zmq_pull_fails_the_consumer(runtime: Facto
     os.kill(pids["dp_hold"], signal.SIGSTOP)  # the consumer cannot pull yet
     try:
         call = rt.call("dp_kill", {"k": 1})
-        deadline = time.monotonic() + 45  # a hang guard, not a speed claim
-        while rt.stats()["data_plane_bytes"] == 0:  # the ref reached the front
-            assert time.monotonic() < deadline, "the producer never produced"
-            await asyncio.sleep(0.01)
+        while rt.stats()["data_plane_bytes"] == 0:  # the ref reached the front (or a hang:
+            await asyncio.sleep(0.01)  # pytest-timeout reports it)
         os.kill(pids["dp_big2"], signal.SIGKILL)
         await asyncio.wait_for(call.wait(), 0.5)  # not ended: it never held an activation
     except TimeoutError:
