@@ -277,11 +277,6 @@ async def _attach_once(
         raise
 
 
-def _stats() -> dict[str, Any]:
-    """Attached keys of this process and whether it owns each (for tests and benchmarks)."""
-    return {k: {"owner": seg.writable, "bytes": len(seg.buf)} for k, (_, seg) in _ATTACHED.items()}
-
-
 #: (shard path, size, mtime_ns) -> sha256 of its bytes (a process hashes a file once).
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
